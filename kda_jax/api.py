@@ -1,0 +1,291 @@
+"""Public entry points: argument checks, backend choice, docstrings.
+
+Every bad input raises ``ValueError`` or ``TypeError`` naming the argument and
+its value before any backend runs. Backends never fall back silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda_jax.bounds import SeqBounds, as_seq_bounds
+from kda_jax.options import KdaOptions
+from kda_jax import xla
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "IMPLEMENTATIONS"]
+
+IMPLEMENTATIONS = ("xla", "triton")
+CHUNK_SIZES = (32, 64)
+
+# SeqBounds is a pytree without leaves: it can be passed to a jitted function
+# as an ordinary argument and keys the compilation cache on its contents.
+jax.tree_util.register_static(SeqBounds)
+
+
+# --------------------------------------------------------------------------- #
+# Checks.
+# --------------------------------------------------------------------------- #
+
+
+def _shape(x, name: str, ndim: int, layout: str) -> tuple[int, ...]:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be rank {ndim} {layout}, got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be floating point (bf16/fp16/fp32), got dtype {x.dtype}")
+    return tuple(int(d) for d in x.shape)
+
+
+def _expect(x, name: str, expected: tuple[int, ...], layout: str):
+    if tuple(x.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected} {layout}, got {tuple(x.shape)}")
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _check_static_number(value, name: str):
+    if isinstance(value, jax.Array):  # tracers are jax.Arrays too
+        raise TypeError(
+            f"{name} must be a Python number (it is fixed at trace time), got a {type(value).__name__}"
+        )
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _resolve_bounds(cu_seqlens, b: int, t: int) -> SeqBounds:
+    """Host bounds over the flattened B * T tokens."""
+    if cu_seqlens is None:
+        return SeqBounds.from_lengths(np.full(b, t, np.int64))
+    bounds = as_seq_bounds(cu_seqlens)
+    if b != 1:
+        raise ValueError(
+            f"with cu_seqlens the batch must be packed along T with B == 1, got B={b}; "
+            "reshape q, k, v, g, beta to [1, B * T, ...]"
+        )
+    if bounds.total_tokens != t:
+        raise ValueError(
+            f"cu_seqlens[-1]={bounds.total_tokens} must equal the number of tokens T={t}"
+        )
+    return bounds
+
+
+def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
+                cu_seqlens, implementation):
+    """Validates one call; returns (options, bounds, implementation)."""
+    b, t, h, kd = _shape(q, "q", 4, "[B, T, H, K]")
+    _shape(k, "k", 4, "[B, T, H, K]")
+    _expect(k, "k", (b, t, h, kd), "[B, T, H, K] like q")
+    _, _, hv, vd = _shape(v, "v", 4, "[B, T, HV, V]")
+    _expect(v, "v", (b, t, hv, vd), "[B, T, HV, V] (B, T as q)")
+    if hv % h:
+        raise ValueError(
+            f"the value heads HV={hv} (v.shape[2]) must be a multiple of the q/k heads H={h}"
+        )
+    _shape(g, "g", 4, "[B, T, HV, K]")
+    _expect(g, "g", (b, t, hv, kd), "[B, T, HV, K]")
+    _shape(beta, "beta", 3, "[B, T, HV]")
+    _expect(beta, "beta", (b, t, hv), "[B, T, HV]")
+
+    flags = {
+        name: _flag(value, name)
+        for name, value in dict(
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first,
+        ).items()
+    }
+
+    if isinstance(chunk_size, bool) or chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size={chunk_size!r} must be 32 or 64")
+    if scale is None:
+        scale = kd**-0.5
+    else:
+        scale = _check_static_number(scale, "scale")
+        if not np.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale={scale} must be a positive finite number")
+
+    if use_gate_in_kernel:
+        if lower_bound is not None:
+            lower_bound = _check_static_number(lower_bound, "lower_bound")
+            if not -5.0 <= lower_bound < 0.0:
+                raise ValueError(f"lower_bound={lower_bound} must lie in [-5, 0)")
+        elif A_log is None:
+            raise ValueError(
+                "use_gate_in_kernel=True with lower_bound=None needs A_log [HV] "
+                "(g_eff = -exp(A_log) * softplus(g + dt_bias)); pass A_log or set lower_bound"
+            )
+        if A_log is not None:
+            _shape(A_log, "A_log", 1, "[HV]")
+            _expect(A_log, "A_log", (hv,), "[HV]")
+        if dt_bias is not None:
+            _shape(dt_bias, "dt_bias", 1, "[HV * K]")
+            _expect(dt_bias, "dt_bias", (hv * kd,), "[HV * K]")
+    else:
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} is only used with use_gate_in_kernel=True, got {name}="
+                    f"{value if name == 'lower_bound' else 'an array'} with "
+                    "use_gate_in_kernel=False; drop it or enable the in-kernel gate"
+                )
+
+    bounds = _resolve_bounds(cu_seqlens, b, t)
+    if initial_state is not None:
+        n = bounds.num_seqs
+        state_shape = (n, hv, vd, kd) if flags["state_v_first"] else (n, hv, kd, vd)
+        layout = "[N, HV, V, K] (state_v_first)" if flags["state_v_first"] else "[N, HV, K, V]"
+        _shape(initial_state, "initial_state", 4, layout)
+        if tuple(initial_state.shape) != state_shape:
+            what = "the number of sequences in cu_seqlens" if cu_seqlens is not None else "B"
+            raise ValueError(
+                f"initial_state must have shape {state_shape} {layout} with N = {what} = {n}, "
+                f"got {tuple(initial_state.shape)}"
+            )
+
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is unknown; use None (best available), "
+            f"{' or '.join(repr(i) for i in IMPLEMENTATIONS)}"
+        )
+
+    opts = KdaOptions(
+        scale=float(scale),
+        lower_bound=lower_bound if use_gate_in_kernel else None,
+        chunk_size=int(chunk_size),
+        **flags,
+    )
+    return opts, bounds
+
+
+def _choose_backend(implementation: str | None) -> str:
+    """Picks the backend at trace time (never at import)."""
+    if implementation == "triton":
+        raise NotImplementedError(
+            "implementation='triton' is not available yet in this kda_jax build; "
+            "use implementation='xla' (or None, which picks the best available)"
+        )
+    return "xla"
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "bounds"))
+def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, bounds):
+    return xla.chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias,
+                             opts=opts, bounds=bounds)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "bounds"))
+def _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, bounds):
+    return xla.fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias,
+                                       opts=opts, bounds=bounds)
+
+
+_ARGS_DOC = """
+    Args:
+      q: ``[B, T, H, K]`` queries (bf16, fp16 or fp32).
+      k: ``[B, T, H, K]`` keys.
+      v: ``[B, T, HV, V]`` values; HV % H == 0 (value head ``hv`` reads q/k head
+        ``hv // (HV // H)``).
+      g: ``[B, T, HV, K]`` per-channel log-decay (natural log, <= 0), or the raw
+        gate with ``use_gate_in_kernel``.
+      beta: ``[B, T, HV]`` delta-rule strength (a logit with
+        ``use_beta_sigmoid_in_kernel``).
+      scale: query scale; default ``K ** -0.5``.
+      initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+        ``state_v_first``), N = B, or the number of sequences in cu_seqlens.
+      output_final_state: also return the state after each sequence.
+      use_qk_l2norm_in_kernel: L2-normalize q and k (eps 1e-6, float32).
+      use_gate_in_kernel: g is raw; g_eff = -exp(A_log) * softplus(g + dt_bias),
+        or with ``lower_bound`` lower_bound * sigmoid(exp(A_log) * (g + dt_bias)).
+      A_log: ``[HV]`` float32; required with the gate unless ``lower_bound``.
+      dt_bias: ``[HV * K]`` float32, optional.
+      lower_bound: Python float in [-5, 0): the safe-gate form.
+      use_beta_sigmoid_in_kernel: beta = sigmoid(beta).
+      allow_neg_eigval: beta is doubled (eigenvalues of the transition in [-1, 1]).
+      state_v_first: states are ``[N, HV, V, K]``.
+      cu_seqlens: host bounds ``[N + 1]`` of sequences packed along T (B == 1):
+        a NumPy array, a list/tuple or :class:`kda_jax.SeqBounds`. A jax.Array is
+        refused (it would need a device read-back). Hashable bounds key the jit
+        cache: equal bounds reuse a compiled program, new bounds retrace.
+      implementation: None (best available), ``"xla"`` or ``"triton"``.
+
+    Returns:
+      ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32
+      ``[N, HV, K, V]`` (or V-first), or None unless ``output_final_state``.
+"""
+
+
+def chunk_kda(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+    lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+    state_v_first=False, chunk_size=64, cu_seqlens=None, implementation=None,
+):
+    opts, bounds = _check_call(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        chunk_size=chunk_size, cu_seqlens=cu_seqlens, implementation=implementation,
+    )
+    _choose_backend(implementation)
+    return _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts, bounds=bounds)
+
+
+chunk_kda.__doc__ = (
+    """Kimi Delta Attention, chunked (prefill and training).
+
+    Computes the gated delta rule with per-channel decay of KDA_SPEC section 1
+    in chunks of ``chunk_size`` (32 or 64) tokens. Call it inside ``jax.jit``;
+    with ``cu_seqlens`` the varlen metadata is built on the host at trace time.
+"""
+    + _ARGS_DOC
+    + """      chunk_size: 32 or 64.
+"""
+)
+
+
+def fused_recurrent_kda(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+    lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+    state_v_first=False, cu_seqlens=None, implementation=None,
+):
+    opts, bounds = _check_call(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        chunk_size=64, cu_seqlens=cu_seqlens, implementation=implementation,
+    )
+    _choose_backend(implementation)
+    return _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts, bounds=bounds)
+
+
+fused_recurrent_kda.__doc__ = (
+    """Kimi Delta Attention, token by token (decode).
+
+    The same function as :func:`chunk_kda`, computed one token at a time: the
+    form for one-token decode steps and short sequences.
+"""
+    + _ARGS_DOC
+)
