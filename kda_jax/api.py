@@ -15,7 +15,8 @@ import numpy as np
 
 from kda_jax.bounds import SeqBounds, as_seq_bounds
 from kda_jax.options import KdaOptions
-from kda_jax import xla
+from kda_jax import configs, xla
+from kda_jax import triton as kda_triton
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "IMPLEMENTATIONS"]
 
@@ -173,13 +174,38 @@ def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
     return opts, bounds
 
 
-def _choose_backend(implementation: str | None) -> str:
-    """Picks the backend at trace time (never at import)."""
-    if implementation == "triton":
-        raise NotImplementedError(
-            "implementation='triton' is not available yet in this kda_jax build; "
-            "use implementation='xla' (or None, which picks the best available)"
+TRITON_MAX_HEAD_DIM = 256
+
+
+def _triton_limits(q, v) -> str | None:
+    kd, vd = q.shape[-1], v.shape[-1]
+    if kd > TRITON_MAX_HEAD_DIM or vd > TRITON_MAX_HEAD_DIM:
+        return (
+            f"the Triton kernels hold K and V up to {TRITON_MAX_HEAD_DIM}, got K={kd}, V={vd}; "
+            "use implementation='xla'"
         )
+    return None
+
+
+def _choose_backend(implementation: str | None, q, v, *, has_triton: bool = True) -> str:
+    """Picks the backend at trace time (never at import); a named backend that
+    cannot serve the call raises with the reason."""
+    if implementation == "xla":
+        return "xla"
+    if implementation == "triton":
+        if not has_triton:
+            raise NotImplementedError(
+                "implementation='triton' has no token-by-token kernel yet; use "
+                "implementation='xla' (or None) for fused_recurrent_kda"
+            )
+        reason = kda_triton.unavailable_reason() or _triton_limits(q, v)
+        if reason is not None:
+            raise RuntimeError(f"implementation='triton' cannot run this call: {reason}")
+        return "triton"
+    # None: Triton on a GPU where it can serve the call, else XLA.
+    if (has_triton and not kda_triton.interpret_mode() and kda_triton.available()
+            and _triton_limits(q, v) is None):
+        return "triton"
     return "xla"
 
 
@@ -187,6 +213,12 @@ def _choose_backend(implementation: str | None) -> str:
 def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, bounds):
     return xla.chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias,
                              opts=opts, bounds=bounds)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "bounds", "config"))
+def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, bounds, config):
+    return kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias,
+                                       opts=opts, bounds=bounds, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "bounds"))
@@ -245,8 +277,11 @@ def chunk_kda(
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         chunk_size=chunk_size, cu_seqlens=cu_seqlens, implementation=implementation,
     )
-    _choose_backend(implementation)
-    return _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts, bounds=bounds)
+    backend = _choose_backend(implementation, q, v)
+    args = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if backend == "triton":
+        return _chunk_triton(*args, opts=opts, bounds=bounds, config=configs.forward_config())
+    return _chunk_xla(*args, opts=opts, bounds=bounds)
 
 
 chunk_kda.__doc__ = (
@@ -277,7 +312,7 @@ def fused_recurrent_kda(
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         chunk_size=64, cu_seqlens=cu_seqlens, implementation=implementation,
     )
-    _choose_backend(implementation)
+    _choose_backend(implementation, q, v, has_triton=False)
     return _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts, bounds=bounds)
 
 

@@ -1,0 +1,10 @@
+"""The Triton backend: jax-triton launches of the kernels in ``kda_jax.kernels``.
+
+With ``KDA_JAX_INTERPRET=1`` the same launches run the kernels in Triton's
+interpreter on the CPU (through ``jax.pure_callback``), for tests without a GPU.
+"""
+
+from kda_jax.triton.forward import chunk_kda_triton
+from kda_jax.triton.launch import available, interpret_mode, unavailable_reason
+
+__all__ = ["chunk_kda_triton", "available", "interpret_mode", "unavailable_reason"]
