@@ -76,10 +76,13 @@ class SeqBounds:
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"SeqBounds is immutable ({name})")
 
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"SeqBounds is immutable ({name})")
+
     @property
     def cu_seqlens(self) -> np.ndarray:
-        """Read-only int64 ``[N + 1]`` bounds."""
-        return self._cu
+        """Read-only int64 ``[N + 1]`` bounds (a view that cannot be made writable)."""
+        return self._cu.view()
 
     @property
     def lengths(self) -> np.ndarray:
@@ -194,11 +197,24 @@ def _check_chunk_size(chunk_size: int) -> int:
     return int(chunk_size)
 
 
+def _cached_per_chunk_size(fn):
+    """lru_cache on (bounds, chunk_size) that checks chunk_size before the lookup
+    (a bare lru_cache would answer ``True`` or ``16.0`` from the entry of 1 or 16)."""
+    cached = functools.lru_cache(maxsize=_CACHE_SIZE)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(bounds: SeqBounds, chunk_size: int):
+        return cached(bounds, _check_chunk_size(chunk_size))
+
+    wrapper.cache_info, wrapper.cache_clear = cached.cache_info, cached.cache_clear
+    return wrapper
+
+
 def _chunks_per_seq(bounds: SeqBounds, chunk_size: int) -> np.ndarray:
     return -(-bounds.lengths // chunk_size)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+@_cached_per_chunk_size
 def chunk_table(bounds: SeqBounds, chunk_size: int) -> np.ndarray:
     """int32 ``[num_chunks, 2]``: (sequence id, chunk index within the sequence).
 
@@ -215,7 +231,7 @@ def chunk_table(bounds: SeqBounds, chunk_size: int) -> np.ndarray:
     return table
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+@_cached_per_chunk_size
 def chunk_offsets(bounds: SeqBounds, chunk_size: int) -> np.ndarray:
     """int32 ``[N + 1]``: index of each sequence's first chunk (exclusive cumsum)."""
     chunk_size = _check_chunk_size(chunk_size)
@@ -275,7 +291,7 @@ def pack_int32_tables(tables: dict[str, np.ndarray]) -> PackedTables:
     return PackedTables(buffer=buffer, layout=tuple(layout))
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+@_cached_per_chunk_size
 def packed_metadata(bounds: SeqBounds, chunk_size: int) -> PackedTables:
     """The chunk-parallel kernels' metadata in one aligned int32 buffer.
 
@@ -326,7 +342,7 @@ class LaneSchedule:
     tables: PackedTables
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+@_cached_per_chunk_size
 def lane_schedule(bounds: SeqBounds, chunk_size: int) -> LaneSchedule:
     chunk_size = _check_chunk_size(chunk_size)
     n, t = bounds.num_seqs, bounds.total_tokens

@@ -41,6 +41,8 @@ class _Tables:
 def _gather_slots(x, token_index):
     """``[T, ...]`` tokens -> ``[S, L, C, ...]`` slots; padding rows read zeros."""
     s, l, c = token_index.shape
+    if x.shape[0] == 0:  # no tokens at all (every sequence empty): all padding
+        return jnp.zeros((s, l, c) + x.shape[1:], x.dtype)
     y = jnp.take(x, token_index.reshape(-1), axis=0, mode="fill", fill_value=0)
     return y.reshape((s, l, c) + x.shape[1:])
 

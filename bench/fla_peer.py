@@ -1,0 +1,38 @@
+"""Times fla's chunk_kda (PyTorch) on the benchmark's inputs, in its own process.
+
+fla and torch's Triton run beside JAX and jax-triton badly in one process (seen
+on the H200: torch's Triton lost its cache directory once jax-triton had
+compiled), so bench.forward starts this module and reads its JSON from stdout.
+
+    python -m bench.fla_peer '[[B, T, H, K, V, cu_or_null], ...]'
+"""
+
+import json
+import sys
+
+
+def main():
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    from bench.inputs import make
+    from bench.timing import time_torch
+
+    rows = json.loads(sys.argv[1])
+    out = []
+    for b, t, h, kd, vd, cu in rows:
+        q, k, v, g, beta = make(b, t, h, kd, vd)
+        q, k, v = (torch.tensor(a, device="cuda", dtype=torch.bfloat16) for a in (q, k, v))
+        g, beta = (torch.tensor(a, device="cuda") for a in (g, beta))
+        kw = {}
+        if cu is not None:
+            kw = dict(cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.long),
+                      cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long))
+        ms = time_torch(lambda: chunk_kda(q, k, v, g, beta, **kw))
+        out.append(ms)
+    print(json.dumps({"ms": out, "torch": torch.__version__,
+                      "fla": getattr(__import__("fla"), "__version__", "?")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,478 @@
+"""Ahead-of-time compile of the forward kernels, with no GPU present.
+
+    python -m kda_jax.aot --targets gfx950,gfx1250,gfx942,sm90 --json PATH
+
+Compiles every kernel of ``kda_jax.kernels.chunk_fwd`` for each target at that
+target's shipped config (``kda_jax.configs.FORWARD``) over the representative
+specializations of :data:`SPECS`, with the constexprs and launch options that
+:func:`kda_jax.triton.forward.forward_launches` gives the real launch and the
+pointer specialization jax-triton 0.3.1 uses (every array 16-byte aligned,
+integer scalars unspecialized). For each compile it records register use,
+spills, scratch, LDS / shared memory and occupancy, prints a table, optionally
+writes JSON, and exits 1 when a compile fails or a kernel spills to memory:
+
+* HIP (gfx*): from the code object's metadata in ``asm["amdgcn"]``; failure is
+  a VGPR spill or scratch (private segment) > 0, or LDS over the CU's size.
+  SGPR spills land in VGPR lanes and are only recorded.
+* CUDA (sm90): from ``ptxas -v`` (the log of Triton's own ptxas run);
+  ``vgprs`` is registers per thread, ``vgpr_spills`` the spill-store bytes,
+  ``scratch`` the stack frame; failure is spill stores > 0 or shared memory
+  over 227 KB. Occupancy is resident warps per SM from registers (65536, 256
+  per warp granule), shared memory (228 KB, 1 KB reserved per block) and the
+  64-warp limit.
+
+``lds_bytes`` is ``compiled.metadata.shared`` (what a launch allocates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["TARGETS", "SPECS", "Spec", "compile_one", "run", "main"]
+
+KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
+
+# target name -> (backend, arch, warp size); the name keys configs.FORWARD.
+TARGETS = {
+    "gfx950": ("hip", "gfx950", 64),
+    "gfx1250": ("hip", "gfx1250", 32),
+    "gfx942": ("hip", "gfx942", 64),
+    "sm90": ("cuda", 90, 32),
+}
+
+# LDS per workgroup limit (bytes), from LLVM's AMDGPU targets; sm90 per block.
+_LDS_LIMIT = {"gfx950": 160 * 1024, "gfx1250": 320 * 1024, "gfx942": 64 * 1024,
+              "sm90": 227 * 1024}
+
+
+# --------------------------------------------------------------------------- #
+# The specializations: one table.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One specialization: head dims, input dtype, chunk size and flag set."""
+
+    shape: str
+    K: int
+    V: int
+    dtype: str  # "bf16" or "fp32": q, k, v, g, beta and o
+    chunk: int
+    flags: str  # "default" or "all"
+    H: int = 16
+    HV: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape}/c{self.chunk}/{self.flags}"
+
+
+#        shape     K    V    dtype
+SHAPES = (("main", 128, 128, "bf16"),     # the main case
+          ("fp32", 64, 64, "fp32"),
+          ("large", 256, 256, "bf16"),    # largest head dims
+          ("masked", 100, 60, "bf16"))    # non-power-of-two, masked
+CHUNKS = (64, 32)
+# "all": l2norm, gate with A_log + dt_bias, lower_bound, beta sigmoid, negative
+# eigenvalues, V-first state, initial and final state.
+FLAG_SETS = ("default", "all")
+
+SPECS = tuple(Spec(shape, kd, vd, dt, bt, fl)
+              for (shape, kd, vd, dt), bt, fl in itertools.product(SHAPES, CHUNKS, FLAG_SETS))
+
+
+def _spec_options(spec: Spec):
+    """(KdaOptions, has_a_log, has_dt_bias, has_initial_state) of a spec."""
+    from kda_jax.options import KdaOptions
+
+    scale = spec.K ** -0.5
+    if spec.flags == "default":
+        return KdaOptions(scale=scale, chunk_size=spec.chunk), False, False, False
+    if spec.flags == "all":
+        opts = KdaOptions(
+            scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True,
+            allow_neg_eigval=True, state_v_first=True, chunk_size=spec.chunk,
+        )
+        return opts, True, True, True
+    raise ValueError(f"unknown flag set {spec.flags!r}")
+
+
+# Runtime arguments of each kernel in order (constexprs excluded): "in" is the
+# inputs' dtype, "work" the intermediates' (forward.work_dtype), "i32" an
+# integer scalar; the rest are pointer types. Mirrors forward.py's launches.
+_ARGS = {
+    "kda_fwd_prepare_kernel": (
+        ("q", "in"), ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"),
+        ("A_log", "*fp32"), ("dt_bias", "*fp32"), ("meta", "*i32"),
+        ("off_cu", "i32"), ("off_ct", "i32"),
+        ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
+        ("gl", "*fp32"),
+    ),
+    "kda_fwd_state_output_kernel": (
+        ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
+        ("gl", "*fp32"), ("h0", "*fp32"), ("meta", "*i32"),
+        ("off_cu", "i32"), ("off_co", "i32"),
+        ("o", "in"), ("ht", "*fp32"),
+    ),
+}
+
+_TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _launch_for(kernel: str, target: str, spec: Spec):
+    """(KernelLaunch, config, work dtype name) of ``kernel`` for this target/spec."""
+    import jax.numpy as jnp
+
+    from kda_jax.configs import FORWARD
+    from kda_jax.triton.forward import forward_launches, work_dtype
+
+    config = FORWARD[target]
+    opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
+    in_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype]
+    work = work_dtype(in_dtype)
+    prep, state = forward_launches(
+        h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config, work=work,
+        has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0,
+    )
+    launch = {prep.kernel: prep, state.kernel: state}[kernel]
+    return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
+
+
+def _signature(fn, kernel: str, spec: Spec, work: str, constexprs: dict):
+    """(signature, attrs) for ASTSource; checks the table against the kernel."""
+    params = [p for p in fn.params]
+    runtime = [p.name for p in params if not p.is_constexpr]
+    consts = {p.name for p in params if p.is_constexpr}
+    if runtime != [name for name, _ in _ARGS[kernel]]:
+        raise RuntimeError(f"{kernel}: runtime arguments {runtime} differ from aot's table")
+    if consts != set(constexprs):
+        raise RuntimeError(
+            f"{kernel}: constexprs {sorted(consts)} differ from forward_launches' "
+            f"{sorted(constexprs)}")
+    kinds = dict(_ARGS[kernel])
+    signature, attrs = {}, {}
+    for i, p in enumerate(params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            continue
+        kind = kinds[p.name]
+        ty = {"in": "*" + spec.dtype, "work": "*" + work}.get(kind, kind)
+        signature[p.name] = ty
+        # jax-triton 0.3.1: arrays are assumed 16-byte aligned, scalars unspecialized.
+        attrs[(i,)] = [["tt.divisibility", 16]] if ty.startswith("*") else []
+    return signature, attrs
+
+
+# --------------------------------------------------------------------------- #
+# Reading the compiled kernel.
+# --------------------------------------------------------------------------- #
+
+
+def _amdgcn_stats(asm: str) -> dict:
+    def field(key):
+        m = re.search(rf"^\s*-?\s*\.{key}:\s+(\d+)", asm, re.M)
+        return int(m.group(1)) if m else None
+
+    occ = re.search(r";\s*Occupancy:\s*(\d+)", asm)
+    return dict(
+        vgprs=field("vgpr_count"), agprs=field("agpr_count"), sgprs=field("sgpr_count"),
+        vgpr_spills=field("vgpr_spill_count"), sgpr_spills=field("sgpr_spill_count"),
+        scratch=field("private_segment_fixed_size"),
+        occupancy=int(occ.group(1)) if occ else None,
+    )
+
+
+def _ptxas_stats(log: str) -> dict:
+    def num(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else None
+
+    return dict(
+        vgprs=num(r"Used (\d+) registers"), sgprs=None,
+        vgpr_spills=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"),
+        sgpr_spills=None, scratch=num(r"(\d+) bytes stack frame"),
+        static_smem=num(r"(\d+) bytes smem") or 0,
+    )
+
+
+def _ptxas_rerun(ptx: str) -> str:
+    """``ptxas -v`` on the PTX with Triton's own ptxas (when its log was not seen)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-v", "-lineinfo", "--regAllocOptLevel=2",
+                            "--gpu-name=sm_90a", src, "-o", src + ".o"],
+                           capture_output=True, text=True, check=True)
+    return r.stderr + r.stdout
+
+
+def _sm90_occupancy(regs: int, smem: int, num_warps: int) -> int:
+    """Resident warps per SM on sm90 (H100/H200)."""
+    per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
+    blocks = min(32, 64 // num_warps, (65536 // per_warp) // num_warps)
+    if smem > 0:
+        blocks = min(blocks, (228 * 1024) // (smem + 1024))
+    return blocks * num_warps
+
+
+# --------------------------------------------------------------------------- #
+# One compile.
+# --------------------------------------------------------------------------- #
+
+
+def compile_one(kernel: str, target: str, spec: Spec) -> dict:
+    """Compiles ``kernel`` for ``target`` at ``spec``; returns its result row."""
+    t0 = time.perf_counter()
+    row = dict(kernel=kernel, target=target, spec=spec.name, spec_detail=dataclasses.asdict(spec),
+               config=None, num_warps=None, num_stages=None,
+               vgprs=None, agprs=None, sgprs=None, vgpr_spills=None, spill_loads=None,
+               sgpr_spills=None, scratch=None, lds_bytes=None, occupancy=None,
+               ok=False, error=None, compile_s=None)
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from kda_jax.kernels import chunk_fwd
+
+        launch, config, work = _launch_for(kernel, target, spec)
+        row.update(config=dataclasses.asdict(config), num_warps=launch.num_warps,
+                   num_stages=launch.num_stages, constexprs=launch.constexprs)
+        fn = getattr(chunk_fwd, kernel)
+        if not isinstance(fn, triton.runtime.JITFunction):
+            raise RuntimeError(
+                f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
+                "set when the kernels were imported; compile through kda_jax.aot.run, whose "
+                "worker processes drop it")
+        signature, attrs = _signature(fn, kernel, spec, work, launch.constexprs)
+        backend, arch, warp = TARGETS[target]
+        options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
+                       enable_fp_fusion=True, debug=False)  # as jax-triton compiles
+        src = ASTSource(fn, signature, dict(launch.constexprs), attrs)
+        log = io.StringIO()
+        if backend == "cuda":
+            triton.knobs.nvidia.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
+        row["lds_bytes"] = int(compiled.metadata.shared)
+        problems = []
+        if backend == "hip":
+            row.update(_amdgcn_stats(compiled.asm["amdgcn"]))
+            missing = [k for k in ("vgprs", "sgprs", "vgpr_spills", "sgpr_spills", "scratch",
+                                   "occupancy") if row[k] is None]
+            if missing:
+                problems.append(f"amdgcn metadata lacks {missing}")
+            if row["vgpr_spills"]:
+                problems.append(f"{row['vgpr_spills']} VGPR spills")
+            if row["scratch"]:
+                problems.append(f"{row['scratch']} bytes scratch")
+        else:
+            text = log.getvalue()
+            if "Used" not in text or "registers" not in text:
+                text = _ptxas_rerun(compiled.asm["ptx"])
+            stats = _ptxas_stats(text)
+            static = stats.pop("static_smem")
+            row.update(stats)
+            if row["vgprs"] is None or row["vgpr_spills"] is None:
+                problems.append("ptxas -v output not understood")
+            else:
+                row["occupancy"] = _sm90_occupancy(row["vgprs"], row["lds_bytes"] + static,
+                                                   launch.num_warps)
+            if row["vgpr_spills"]:
+                problems.append(f"{row['vgpr_spills']} bytes spill stores "
+                                f"({row['spill_loads']} bytes spill loads, "
+                                f"{row['vgprs']} registers)")
+        if row["lds_bytes"] > _LDS_LIMIT[target]:
+            problems.append(f"{row['lds_bytes']} bytes LDS > {_LDS_LIMIT[target]}")
+        row["ok"] = not problems
+        row["error"] = "; ".join(problems) or None
+    except Exception as e:  # a failed compile is a result, not a crash
+        msg = f"{type(e).__name__}: {e}"
+        row["error"] = msg if len(msg) <= 4000 else msg[:1000] + "\n...\n" + msg[-3000:]
+    row["compile_s"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def _worker_init(cache_dir: str):
+    # Compiles need real @triton.jit kernels: Triton decorates them for its
+    # interpreter when TRITON_INTERPRET=1 is set at import (as the test suite
+    # does), so workers drop it before they import triton.
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.pop("KDA_JAX_INTERPRET", None)
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def run(targets=tuple(TARGETS), specs=SPECS, kernels=KERNELS, jobs: int = 2,
+        progress=None) -> list[dict]:
+    """Compiles every (kernel, target, spec); rows in that order.
+
+    Compiles in ``jobs`` fresh processes (so an interpreter setting of the
+    caller does not leak in) over a fresh Triton cache (so every row comes from
+    a real compile and sm90's ptxas log is seen).
+    """
+    work = [(kn, tg, sp) for tg in targets for sp in specs for kn in kernels]
+    rows = [None] * len(work)
+    with tempfile.TemporaryDirectory(prefix="kda_aot_cache_") as cache:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(
+                max_workers=max(1, min(jobs, len(work))), mp_context=ctx,
+                initializer=_worker_init, initargs=(cache,)) as pool:
+            futures = {pool.submit(compile_one, *item): i for i, item in enumerate(work)}
+            for fut in concurrent.futures.as_completed(futures):
+                i = futures[fut]
+                try:
+                    rows[i] = fut.result()
+                except Exception as e:  # a worker died
+                    kn, tg, sp = work[i]
+                    rows[i] = dict(kernel=kn, target=tg, spec=sp.name, ok=False,
+                                   error=f"worker failed: {type(e).__name__}: {e}")
+                if progress:
+                    progress(rows[i])
+    return rows
+
+
+# --------------------------------------------------------------------------- #
+# Command line.
+# --------------------------------------------------------------------------- #
+
+_SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "state_output"}
+
+
+def _fmt(v):
+    return "-" if v is None else str(v)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("kernel", "target", "spec", "w/s", "vgpr", "agpr", "sgpr", "vspill", "sspill",
+            "scratch", "lds", "occ", "s", "status")
+    lines = [head]
+    for r in rows:
+        status = "ok" if r.get("ok") else "FAIL: " + (r.get("error") or "").splitlines()[-1][:90]
+        lines.append((
+            _SHORT.get(r["kernel"], r["kernel"]), r["target"], r["spec"],
+            f"{_fmt(r.get('num_warps'))}/{_fmt(r.get('num_stages'))}",
+            _fmt(r.get("vgprs")), _fmt(r.get("agprs")), _fmt(r.get("sgprs")),
+            _fmt(r.get("vgpr_spills")), _fmt(r.get("sgpr_spills")), _fmt(r.get("scratch")),
+            _fmt(r.get("lds_bytes")), _fmt(r.get("occupancy")), _fmt(r.get("compile_s")), status,
+        ))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head) - 1)]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(line[:-1], widths)) + "  " + line[-1]
+        for line in lines)
+
+
+def _source_hashes() -> dict:
+    """sha256 of the kernel and launch sources that were compiled."""
+    import importlib.util
+
+    out = {}
+    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.triton.forward"):
+        path = importlib.util.find_spec(mod).origin
+        with open(path, "rb") as f:
+            out[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _pick(value: str | None, known, what: str):
+    if not value:
+        return tuple(known)
+    chosen = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what}: {unknown}; known: {', '.join(known)}")
+    return chosen
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kda_jax.aot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"comma list of {', '.join(TARGETS)} (default: all)")
+    parser.add_argument("--specs", default=None,
+                        help="comma list of spec names such as main/c64/default (default: all "
+                             f"{len(SPECS)})")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the main shape (K=V=128 bf16): 4 specs instead of "
+                             f"{len(SPECS)}")
+    parser.add_argument("--kernels", default=None, help="comma list of kernel names (default: both)")
+    parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
+    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--quiet", action="store_true", help="no per-compile progress lines")
+    args = parser.parse_args(argv)
+
+    import triton
+
+    targets = _pick(args.targets, TARGETS, "targets")
+    by_name = {s.name: s for s in SPECS}
+    specs = tuple(by_name[n] for n in _pick(args.specs, by_name, "specs"))
+    if args.quick:
+        specs = tuple(s for s in specs if s.shape == "main")
+    kernels = _pick(args.kernels, KERNELS, "kernels")
+
+    def progress(r):
+        if not args.quiet:
+            state = "ok" if r.get("ok") else "FAIL"
+            print(f"  {state:4} {r['target']:8} {r['spec']:22} {_SHORT.get(r['kernel'])} "
+                  f"({r.get('compile_s')} s)", file=sys.stderr, flush=True)
+
+    sources = _source_hashes()
+    t0 = time.perf_counter()
+    rows = run(targets, specs, kernels, jobs=args.jobs, progress=progress)
+    elapsed = time.perf_counter() - t0
+    changed = _source_hashes() != sources
+    if changed:
+        print("warning: the kernel or launch sources changed during the run", file=sys.stderr)
+    print(table(rows))
+    failed = [r for r in rows if not r.get("ok")]
+    print(f"\n{len(rows)} compiles, {len(failed)} failed, {elapsed:.0f} s "
+          f"(triton {triton.__version__}, {args.jobs} jobs)")
+    for r in failed:
+        print(f"FAIL {r['kernel']} {r['target']} {r['spec']}: {r.get('error')}\n")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        report = {
+            "triton": triton.__version__,
+            "targets": list(targets),
+            # Which kernel and launch sources were compiled.
+            "sources_sha256": sources,
+            "sources_changed_during_run": changed,
+            "elapsed_s": round(elapsed, 1),
+            "jobs": args.jobs,
+            "units": {
+                "hip": "vgprs/agprs/sgprs per lane or wave, spills in registers, scratch and "
+                       "lds_bytes in bytes, occupancy waves per SIMD (amdgcn '; Occupancy')",
+                "cuda": "vgprs = registers per thread, vgpr_spills/spill_loads = ptxas spill "
+                        "store/load bytes, scratch = stack frame bytes, lds_bytes = shared "
+                        "memory bytes, occupancy = resident warps per SM (of 64)",
+            },
+            "results": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
