@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax.bounds import SeqBounds, chunk_table, packed_metadata
-from kda_jax.configs import ForwardConfig
+from kda_jax.configs import DOT_MODES, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.launch import interpret_mode, kernels, launch
 
@@ -65,7 +65,8 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             LOWER_BOUND=float(opts.lower_bound if opts.lower_bound is not None else 0.0),
             BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
             BETA_SCALE=2.0 if opts.allow_neg_eigval else 1.0,
-            FOUR_BLOCKS=bt == 64,
+            DOT_A=DOT_MODES.index(config.prepare_dot),
+            DOT_WU=DOT_MODES.index(config.prepare_wu_dot),
         ),
         num_warps=config.prepare_warps,
         num_stages=config.prepare_stages,

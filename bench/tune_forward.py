@@ -1,0 +1,88 @@
+"""Times the Triton forward under several launch configs and checks each one's
+accuracy against the float32 reference (GPU only; CPU timings mean nothing).
+
+    python -m bench.tune_forward [--shape 1,8192,32] [--grid NAME] [--json PATH]
+
+Each row: the config, the forward's median ms at the timing shape (bf16,
+K = V = 128) and the relative RMS error of o and the final state against
+``kda_jax.reference`` on a smaller varlen case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kda_jax
+from bench.inputs import make
+from bench.timing import time_jax, versions
+from kda_jax import configs, reference, testing
+
+GRIDS = {
+    # Product precisions, K slice and warps of the prepare kernel.
+    "prepare": [
+        dict(prepare_block_k=32, prepare_warps=8, prepare_dot="tf32x3", prepare_wu_dot="bf16"),
+        dict(prepare_block_k=32, prepare_warps=8, prepare_dot="tf32x3", prepare_wu_dot="tf32x3"),
+        dict(prepare_block_k=32, prepare_warps=8, prepare_dot="tf32", prepare_wu_dot="bf16"),
+        dict(prepare_block_k=32, prepare_warps=8, prepare_dot="ieee", prepare_wu_dot="ieee"),
+        dict(prepare_block_k=16, prepare_warps=4, prepare_dot="tf32x3", prepare_wu_dot="bf16"),
+        dict(prepare_block_k=64, prepare_warps=8, prepare_dot="tf32x3", prepare_wu_dot="bf16"),
+        dict(prepare_block_k=32, prepare_warps=4, prepare_dot="tf32x3", prepare_wu_dot="bf16"),
+    ],
+    "shipped": [{}],
+}
+
+
+def accuracy(config: configs.ForwardConfig) -> dict:
+    x = testing.make_inputs(11, T=1500, H=4, K=128, V=128, N=3, dtype=jnp.bfloat16)
+    cu = np.array([0, 1, 700, 1500])
+    kw = dict(initial_state=x.initial_state, output_final_state=True, cu_seqlens=cu)
+    with configs.override(config):
+        o, s = kda_jax.chunk_kda(*x.args(), implementation="triton", **kw)
+    ro, rs = reference.naive_recurrent_kda(*x.args(), **kw)
+    return {"o_rel_rms": testing.rel_rms(o, ro), "state_rel_rms": testing.rel_rms(s, rs),
+            "o_max_abs": testing.max_abs(o, ro)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="1,8192,32")
+    p.add_argument("--grid", default="prepare", choices=sorted(GRIDS))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    b, t, h = (int(x) for x in args.shape.split(","))
+    arrays = [jnp.asarray(a, jnp.bfloat16 if i < 3 else jnp.float32)
+              for i, a in enumerate(make(b, t, h, 128, 128))]
+    base = configs.forward_config()
+    records = []
+    for change in GRIDS[args.grid]:
+        cfg = dataclasses.replace(base, **change)
+        try:
+            with configs.override(cfg):
+                run = jax.jit(lambda *a: kda_jax.chunk_kda(*a, implementation="triton")[0])
+                ms = time_jax(run, *arrays)
+            acc = accuracy(cfg)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+            print(f"{change}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            ms, acc = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        rec = {"config": dataclasses.asdict(cfg), "shape": [b, t, h, 128, 128], "ms": ms, **acc}
+        records.append(rec)
+        print(json.dumps({"change": change, "ms": ms, **acc}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"versions": versions(), "command": "python -m bench.tune_forward "
+                       + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
