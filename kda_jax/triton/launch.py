@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_jax import configs
+from kda_jax.triton import compat
+
 __all__ = ["interpret_mode", "available", "unavailable_reason", "kernels", "launch"]
 
 
@@ -51,10 +54,12 @@ def unavailable_reason() -> str | None:
     except ImportError as e:
         return f"jax-triton is not importable ({e}); pip install 'kda_jax[triton]'"
     backend = jax.default_backend()
-    if backend not in ("gpu", "cuda", "rocm"):
+    # Under configs.target_arch a host without the GPU may trace and lower for it.
+    if backend not in ("gpu", "cuda", "rocm") and configs.explicit_arch() is None:
         return (
             f"the default JAX backend is {backend!r}; the Triton kernels need a CUDA or "
-            "ROCm GPU (or KDA_JAX_INTERPRET=1 to run them in Triton's interpreter)"
+            "ROCm GPU (or KDA_JAX_INTERPRET=1 to run them in Triton's interpreter, or "
+            "kda_jax.configs.target_arch to lower for a GPU)"
         )
     return None
 
@@ -74,24 +79,57 @@ def kernels(name: str):
 
 
 def launch(kernel, *args, grid, out_shape, name, num_warps=4, num_stages=2,
-           zeroed_outputs=(), **constexprs):
+           zeroed_outputs=(), input_output_aliases=None, **constexprs):
     """Launches ``kernel`` over ``grid`` (a 3-tuple); returns the outputs as a list.
 
     ``args``: jax arrays and Python ints (runtime scalars), in kernel order.
     ``zeroed_outputs``: indices of outputs that must start as zeros; the others
     start uninitialized (NaN-poisoned in interpret mode, so a missed store shows).
+    ``input_output_aliases``: ``{position in args: output index}``; that output
+    is the input's buffer (same shape and dtype), so what the kernel does not
+    store keeps the input's values. With the input donated to the enclosing
+    jit, XLA updates it in place; otherwise XLA copies it first. In interpret
+    mode the output starts as a copy of the input.
     """
     out_shape = list(out_shape)
+    aliases = _check_aliases(args, out_shape, input_output_aliases)
     if interpret_mode():
-        return _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs)
+        return _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliases)
     import jax_triton as jt
 
+    compat.install()  # ROCm fixes and target-arch lowering, once (compat.py)
+
+    # jax-triton numbers aliased inputs among the array arguments only
+    # (scalars are not operands of its custom call).
+    array_pos = [i for i, a in enumerate(args) if not isinstance(a, (int, np.integer))]
     outs = jt.triton_call(
         *args, kernel=kernel, out_shape=out_shape, grid=grid, name=name,
         num_warps=num_warps, num_stages=num_stages, zeroed_outputs=tuple(zeroed_outputs),
+        input_output_aliases={array_pos.index(i): o for i, o in aliases.items()},
         **constexprs,
     )
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def _check_aliases(args, out_shape, aliases) -> dict[int, int]:
+    """``{position in args: output index}``, checked: an array input aliased to
+    an output of the same shape and dtype, each output at most once."""
+    aliases = dict(aliases or {})
+    if len(set(aliases.values())) != len(aliases):
+        raise ValueError(f"input_output_aliases={aliases} aliases an output twice")
+    for i, o in aliases.items():
+        if not 0 <= i < len(args) or isinstance(args[i], (int, np.integer)):
+            raise ValueError(
+                f"input_output_aliases: args[{i}] is not an array input of this launch")
+        if not 0 <= o < len(out_shape):
+            raise ValueError(f"input_output_aliases: output {o} does not exist")
+        a, s = args[i], out_shape[o]
+        if tuple(a.shape) != tuple(s.shape) or jnp.dtype(a.dtype) != jnp.dtype(s.dtype):
+            raise ValueError(
+                f"input_output_aliases: args[{i}] {tuple(a.shape)} {jnp.dtype(a.dtype)} cannot "
+                f"alias output {o} {tuple(s.shape)} {jnp.dtype(s.dtype)}; shapes and dtypes "
+                "must match")
+    return aliases
 
 
 # --------------------------------------------------------------------------- #
@@ -149,16 +187,21 @@ def _poisoned(shape, dtype, zero: bool) -> np.ndarray:
     return np.full(shape, np.nan, dtype)
 
 
-def _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs):
+def _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliases=None):
     array_pos = [i for i, a in enumerate(args) if not isinstance(a, (int, np.integer))]
     arrays = [args[i] for i in array_pos]
+    source = {o: i for i, o in (aliases or {}).items()}  # output -> aliased args position
 
     def host(*host_arrays):
         full = list(args)
         for i, a in zip(array_pos, host_arrays):
             full[i] = _HostTensor(np.ascontiguousarray(np.asarray(a)))
+        # An aliased output starts as a copy of its input (on a GPU it is the
+        # input's buffer); the input stays a separate, read-only copy here.
         outs = [
-            _poisoned(s.shape, s.dtype, i in zeroed_outputs) for i, s in enumerate(out_shape)
+            np.array(full[source[i]].array, copy=True) if i in source
+            else _poisoned(s.shape, s.dtype, i in zeroed_outputs)
+            for i, s in enumerate(out_shape)
         ]
         try:
             kernel[tuple(grid)](*full, *(_HostTensor(o) for o in outs), **constexprs)
