@@ -16,6 +16,7 @@ import numpy as np
 from kda_jax.bounds import SeqBounds, as_seq_bounds
 from kda_jax.options import KdaOptions
 from kda_jax import configs, xla
+from kda_jax import pool as state_pool
 from kda_jax import triton as kda_triton
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "IMPLEMENTATIONS"]
@@ -81,11 +82,105 @@ def _resolve_bounds(cu_seqlens, b: int, t: int) -> SeqBounds:
     return bounds
 
 
+def _int_vector(x, name: str, n: int, what: str, kind: str):
+    """Checks an index-like array ``[N]``; ``kind`` is "int" or "bool"."""
+    wanted = "an int32" if kind == "int" else "a bool"
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(
+            f"{name} must be {wanted} array [N] (NumPy or jax), got {type(x).__name__}; "
+            f"pass np.asarray({name}, {'np.int32' if kind == 'int' else 'bool'})"
+        )
+    if tuple(x.shape) != (n,):
+        raise ValueError(
+            f"{name} must have shape ({n},) [N], one entry per sequence with N = {what} = {n}, "
+            f"got {tuple(x.shape)}"
+        )
+    dtype = np.dtype(x.dtype)
+    ok = dtype == np.bool_ if kind == "bool" else (np.issubdtype(dtype, np.integer)
+                                                   and dtype != np.bool_)
+    if not ok:
+        raise TypeError(f"{name} must be {wanted} array [N], got dtype {dtype}")
+
+
+def _check_pool(state_cache, state_indices, has_initial_state, *, initial_state,
+                output_final_state, n, hv, kd, vd, state_v_first, varlen):
+    """Validates the paged-state arguments; returns a StatePool or None."""
+    if state_cache is None:
+        for name, value in (("state_indices", state_indices),
+                            ("has_initial_state", has_initial_state)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} is only used with state_cache (the paged state pool), got "
+                    f"{name} without state_cache; pass state_cache too, or drop {name}"
+                )
+        return None
+    if initial_state is not None:
+        raise ValueError(
+            "initial_state and state_cache were both passed; with state_cache the initial "
+            "states are read from state_cache[state_indices]: write them into the pool's "
+            "rows and drop initial_state (or drop state_cache)"
+        )
+    if output_final_state:
+        raise ValueError(
+            "output_final_state=True and state_cache were both passed; with state_cache the "
+            "final states are written into the pool and the call returns "
+            "(o, new_state_cache): drop output_final_state"
+        )
+    layout = "[slots, HV, V, K] (state_v_first)" if state_v_first else "[slots, HV, K, V]"
+    _shape(state_cache, "state_cache", 4, layout)
+    row = (hv, vd, kd) if state_v_first else (hv, kd, vd)
+    if tuple(state_cache.shape[1:]) != row or state_cache.shape[0] < 1:
+        raise ValueError(
+            f"state_cache must have shape (slots, {', '.join(map(str, row))}) {layout} with "
+            f"slots >= 1, got {tuple(state_cache.shape)}"
+        )
+    if np.dtype(state_cache.dtype) != np.float32:
+        raise TypeError(
+            f"state_cache must be float32 (states are kept and written in float32), got dtype "
+            f"{np.dtype(state_cache.dtype)}; allocate the pool with dtype=float32"
+        )
+    if state_indices is None:
+        raise ValueError(
+            "state_cache needs state_indices: an int32 array [N] naming each sequence's row "
+            "of the pool (negative for a padding slot)"
+        )
+    what = "the number of sequences in cu_seqlens" if varlen else "B"
+    _int_vector(state_indices, "state_indices", n, what, "int")
+    slots = int(state_cache.shape[0])
+    if isinstance(state_indices, np.ndarray):
+        # Host data: checked here, at no cost to the device.
+        idx = state_indices.astype(np.int64)
+        past = np.flatnonzero(idx >= slots)
+        if past.size:
+            i = int(past[0])
+            raise ValueError(
+                f"state_indices[{i}]={int(idx[i])} is >= slots={slots} (state_cache.shape[0]); "
+                "use a row in [0, slots), or -1 for a padding slot"
+            )
+        rows, counts = np.unique(idx, return_counts=True)
+        shared = np.flatnonzero((rows >= 0) & (counts > 1))
+        if shared.size:
+            row = int(rows[shared[0]])
+            at = np.flatnonzero(idx == row)[:4].tolist()
+            raise ValueError(
+                f"state_indices names row {row} more than once (at positions {at}); two "
+                "sequences cannot share a pool row (which final state lands there would be "
+                "undefined): give each sequence its own row, or -1 for padding"
+            )
+        state_indices = np.where(idx < 0, -1, idx).astype(np.int32)
+    elif np.dtype(state_indices.dtype) != np.int32:
+        state_indices = state_indices.astype(jnp.int32)
+    if has_initial_state is not None:
+        _int_vector(has_initial_state, "has_initial_state", n, what, "bool")
+    return state_pool.StatePool(state_cache, state_indices, has_initial_state)
+
+
 def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                 use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
-                cu_seqlens, implementation):
-    """Validates one call; returns (options, bounds, implementation)."""
+                cu_seqlens, implementation, state_cache=None, state_indices=None,
+                has_initial_state=None):
+    """Validates one call; returns (options, bounds, pool or None)."""
     b, t, h, kd = _shape(q, "q", 4, "[B, T, H, K]")
     _shape(k, "k", 4, "[B, T, H, K]")
     _expect(k, "k", (b, t, h, kd), "[B, T, H, K] like q")
@@ -165,13 +260,18 @@ def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
             f"{' or '.join(repr(i) for i in IMPLEMENTATIONS)}"
         )
 
+    pool = _check_pool(
+        state_cache, state_indices, has_initial_state, initial_state=initial_state,
+        output_final_state=flags["output_final_state"], n=bounds.num_seqs, hv=hv, kd=kd,
+        vd=vd, state_v_first=flags["state_v_first"], varlen=cu_seqlens is not None,
+    )
     opts = KdaOptions(
         scale=float(scale),
         lower_bound=lower_bound if use_gate_in_kernel else None,
         chunk_size=int(chunk_size),
         **flags,
     )
-    return opts, bounds
+    return opts, bounds, pool
 
 
 TRITON_MAX_HEAD_DIM = 256
@@ -187,44 +287,68 @@ def _triton_limits(q, v) -> str | None:
     return None
 
 
-def _choose_backend(implementation: str | None, q, v, *, has_triton: bool = True) -> str:
+def _choose_backend(implementation: str | None, q, v) -> str:
     """Picks the backend at trace time (never at import); a named backend that
     cannot serve the call raises with the reason."""
     if implementation == "xla":
         return "xla"
     if implementation == "triton":
-        if not has_triton:
-            raise NotImplementedError(
-                "implementation='triton' has no token-by-token kernel yet; use "
-                "implementation='xla' (or None) for fused_recurrent_kda"
-            )
         reason = kda_triton.unavailable_reason() or _triton_limits(q, v)
         if reason is not None:
             raise RuntimeError(f"implementation='triton' cannot run this call: {reason}")
         return "triton"
     # None: Triton on a GPU where it can serve the call, else XLA.
-    if (has_triton and not kda_triton.interpret_mode() and kda_triton.available()
+    if (not kda_triton.interpret_mode() and kda_triton.available()
             and _triton_limits(q, v) is None):
         return "triton"
     return "xla"
 
 
+# The backends. `pool` is a kda_jax.pool.StatePool or None; with a pool they
+# return (o, new_state_cache). None of them donates: the caller's jit decides
+# whether the pool is updated in place (donate_argnums there).
+
+
 @functools.partial(jax.jit, static_argnames=("opts", "bounds"))
-def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, bounds):
+def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts, bounds):
+    if pool is not None:
+        return state_pool.gather_run_scatter(xla.chunk_kda_xla, pool, q, k, v, g, beta, A_log,
+                                             dt_bias, opts=opts, bounds=bounds)
     return xla.chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias,
                              opts=opts, bounds=bounds)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "bounds", "config"))
-def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, bounds, config):
+def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
+                  bounds, config):
+    if pool is not None:
+        # TEMPORARY: the pool is gathered and scattered in JAX around the
+        # Triton forward, until the chunked state kernel reads and writes the
+        # pool's rows itself (as the decode kernel does).
+        return state_pool.gather_run_scatter(kda_triton.chunk_kda_triton, pool, q, k, v, g,
+                                             beta, A_log, dt_bias, opts=opts, bounds=bounds,
+                                             config=config)
     return kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias,
                                        opts=opts, bounds=bounds, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "bounds"))
-def _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, bounds):
+def _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
+                   bounds):
+    if pool is not None:
+        return state_pool.gather_run_scatter(xla.fused_recurrent_kda_xla, pool, q, k, v, g,
+                                             beta, A_log, dt_bias, opts=opts, bounds=bounds)
     return xla.fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias,
                                        opts=opts, bounds=bounds)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "bounds", "config"))
+def _recurrent_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
+                      bounds, config):
+    # With a pool the kernel reads and writes its rows in place (no gather/scatter).
+    return kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log,
+                                                 dt_bias, opts=opts, bounds=bounds,
+                                                 config=config, pool=pool)
 
 
 _ARGS_DOC = """
@@ -254,11 +378,30 @@ _ARGS_DOC = """
         a NumPy array, a list/tuple or :class:`kda_jax.SeqBounds`. A jax.Array is
         refused (it would need a device read-back). Hashable bounds key the jit
         cache: equal bounds reuse a compiled program, new bounds retrace.
+      state_cache: a paged state pool (serving), float32 ``[slots, HV, K, V]``
+        (``[slots, HV, V, K]`` with ``state_v_first``). Sequence n starts from
+        row ``state_indices[n]`` and its final state is written back to that
+        row; the call returns ``(o, new_state_cache)``, with every row no
+        sequence names bit-identical. Not together with ``initial_state`` or
+        ``output_final_state``. Donate the pool to the enclosing ``jax.jit``
+        (``donate_argnums``) and the update happens in place on a GPU.
+      state_indices: int32 ``[N]`` (NumPy or jax, traced allowed; other integer
+        types are cast): each sequence's pool row. A negative index is a padding
+        slot: nothing is read (o is computed from a zero state) or written.
+        Required with ``state_cache``. NumPy indices are checked on the host:
+        an index >= slots, or a row named twice, raises ValueError. Device
+        indices are not checked (that would need a device read): an index >=
+        slots acts as padding, and a row named twice is undefined (either
+        sequence's final state may land there).
+      has_initial_state: bool ``[N]`` or None (all True). False: the sequence
+        starts from zeros and never reads its row (which may hold garbage);
+        the row still receives its final state.
       implementation: None (best available), ``"xla"`` or ``"triton"``.
 
     Returns:
       ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32
       ``[N, HV, K, V]`` (or V-first), or None unless ``output_final_state``.
+      With ``state_cache``: ``(o, new_state_cache)``, the pool's shape and dtype.
 """
 
 
@@ -266,9 +409,10 @@ def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    state_v_first=False, chunk_size=64, cu_seqlens=None, implementation=None,
+    state_v_first=False, chunk_size=64, cu_seqlens=None, state_cache=None, state_indices=None,
+    has_initial_state=None, implementation=None,
 ):
-    opts, bounds = _check_call(
+    opts, bounds, pool = _check_call(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -276,9 +420,11 @@ def chunk_kda(
         lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         chunk_size=chunk_size, cu_seqlens=cu_seqlens, implementation=implementation,
+        state_cache=state_cache, state_indices=state_indices,
+        has_initial_state=has_initial_state,
     )
     backend = _choose_backend(implementation, q, v)
-    args = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, pool)
     if backend == "triton":
         return _chunk_triton(*args, opts=opts, bounds=bounds, config=configs.forward_config())
     return _chunk_xla(*args, opts=opts, bounds=bounds)
@@ -301,9 +447,10 @@ def fused_recurrent_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    state_v_first=False, cu_seqlens=None, implementation=None,
+    state_v_first=False, cu_seqlens=None, state_cache=None, state_indices=None,
+    has_initial_state=None, implementation=None,
 ):
-    opts, bounds = _check_call(
+    opts, bounds, pool = _check_call(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -311,9 +458,15 @@ def fused_recurrent_kda(
         lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         chunk_size=64, cu_seqlens=cu_seqlens, implementation=implementation,
+        state_cache=state_cache, state_indices=state_indices,
+        has_initial_state=has_initial_state,
     )
-    _choose_backend(implementation, q, v, has_triton=False)
-    return _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts, bounds=bounds)
+    backend = _choose_backend(implementation, q, v)
+    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, pool)
+    if backend == "triton":
+        return _recurrent_triton(*args, opts=opts, bounds=bounds,
+                                 config=configs.recurrent_config())
+    return _recurrent_xla(*args, opts=opts, bounds=bounds)
 
 
 fused_recurrent_kda.__doc__ = (

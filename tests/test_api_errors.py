@@ -28,7 +28,7 @@ def no_backend(monkeypatch):
     def ran(*args, **kwargs):
         raise BackendRan("the backend ran before the bad input was rejected")
 
-    for name in ("_chunk_xla", "_recurrent_xla", "_chunk_triton"):
+    for name in ("_chunk_xla", "_recurrent_xla", "_chunk_triton", "_recurrent_triton"):
         if hasattr(api, name):
             monkeypatch.setattr(api, name, ran)
 
@@ -196,13 +196,6 @@ def test_traced_scale_inside_jit(fn):
 
     with pytest.raises(TypeError, match=r"scale must be a Python number.*Tracer"):
         jax.jit(f)(0.5, *a0.values())
-
-
-# fused_recurrent_kda has no Triton kernel yet. DELETE THIS TEST when it gets
-# one (a named backend that cannot serve a call must still raise, never fall back).
-def test_recurrent_triton_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match=r"implementation='triton' has no token-by-token"):
-        _call(kda_jax.fused_recurrent_kda, a0, implementation="triton")
 
 
 def test_chunk_triton_unavailable_raises_with_the_reason(monkeypatch):

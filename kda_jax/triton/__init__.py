@@ -6,5 +6,7 @@ interpreter on the CPU (through ``jax.pure_callback``), for tests without a GPU.
 
 from kda_jax.triton.forward import chunk_kda_triton
 from kda_jax.triton.launch import available, interpret_mode, unavailable_reason
+from kda_jax.triton.recurrent import fused_recurrent_kda_triton
 
-__all__ = ["chunk_kda_triton", "available", "interpret_mode", "unavailable_reason"]
+__all__ = ["chunk_kda_triton", "fused_recurrent_kda_triton", "available", "interpret_mode",
+           "unavailable_reason"]

@@ -1,0 +1,75 @@
+"""The paged state pool of serving: states read from and written to rows of one
+float32 buffer by index.
+
+A call with a pool computes each sequence from ``cache[indices[n]]`` (zeros
+where ``has_initial_state[n]`` is False or the index is negative) and writes its
+final state back to that row; a negative index is a padding slot, neither read
+nor written. Other rows are left as they were.
+
+The Triton decode kernel reads and writes the rows itself; the portable path
+(and, for now, chunk_kda's Triton path) gathers the rows before the call and
+scatters the finals after it, with the helpers here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["StatePool", "read_index", "read_states", "write_states", "gather_run_scatter"]
+
+
+class StatePool(NamedTuple):
+    """A pool and how a call's sequences map onto it (a pytree of arrays).
+
+    cache: float32 ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` when V-first).
+    indices: int32 ``[N]``, one row per sequence; negative = padding slot.
+    has_initial_state: bool ``[N]``, or None (every sequence reads its row).
+    """
+
+    cache: jax.Array
+    indices: jax.Array
+    has_initial_state: jax.Array | None
+
+
+def read_index(pool: StatePool) -> jax.Array:
+    """int32 ``[N]``: the row each sequence starts from, -1 where it starts from zeros."""
+    if pool.has_initial_state is None:
+        return pool.indices
+    return jnp.where(pool.has_initial_state, pool.indices, -1)
+
+
+def _out_of_range(index: jax.Array, slots: int) -> jax.Array:
+    # jnp indexing wraps negative indices before any mode applies; mapping
+    # them (and any index past the end) to `slots` makes fill/drop see them.
+    return jnp.where((index < 0) | (index >= slots), slots, index)
+
+
+def read_states(pool: StatePool) -> jax.Array:
+    """float32 ``[N, HV, ., .]`` (the pool's layout): the initial states, zeros
+    where a sequence reads no row. A row not read is never touched (it may hold NaN)."""
+    slots = pool.cache.shape[0]
+    rows = _out_of_range(read_index(pool), slots)
+    return jnp.take(pool.cache, rows, axis=0, mode="fill", fill_value=0)
+
+
+def write_states(pool: StatePool, finals: jax.Array) -> jax.Array:
+    """The new cache: ``finals`` ``[N, HV, ., .]`` written to each sequence's row;
+    padding slots drop their final state."""
+    slots = pool.cache.shape[0]
+    rows = _out_of_range(pool.indices, slots)
+    return pool.cache.at[rows].set(finals.astype(pool.cache.dtype), mode="drop")
+
+
+def gather_run_scatter(forward, pool: StatePool, q, k, v, g, beta, A_log, dt_bias, *, opts,
+                       **kwargs):
+    """Runs ``forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=..., **kwargs)``
+    with the pool's rows gathered as initial states and its final states
+    scattered back; returns ``(o, new_cache)``."""
+    h0 = read_states(pool)
+    opts = dataclasses.replace(opts, output_final_state=True)
+    o, finals = forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts, **kwargs)
+    return o, write_states(pool, finals)

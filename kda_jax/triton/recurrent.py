@@ -1,0 +1,123 @@
+"""fused_recurrent_kda through the Triton decode kernel (one launch).
+
+Without a pool the kernel reads ``initial_state[n]`` and writes
+``final_state[n]``. With a pool (:class:`kda_jax.pool.StatePool`) it reads and
+writes the pool's rows itself, through the indices: the pool goes in as an
+input aliased to the kernel's state output, so no gather or scatter runs
+around the kernel, and with the pool donated to the caller's jit XLA updates
+it in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kda_jax import pool as state_pool
+from kda_jax.bounds import SeqBounds, packed_metadata
+from kda_jax.configs import RecurrentConfig
+from kda_jax.options import KdaOptions
+from kda_jax.triton.launch import kernels, launch
+
+__all__ = ["KERNEL", "recurrent_constexprs", "fused_recurrent_kda_triton"]
+
+KERNEL = "kda_fused_recurrent_kernel"
+# The metadata buffer is the one chunk_kda builds (same cache entry); this
+# kernel reads only its cu_seqlens block.
+_META_CHUNK = 64
+# Position of h0 (the pool, when there is one) among the kernel's arguments.
+_H0_ARG = 7
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
+                         config: RecurrentConfig, has_a_log: bool, has_dt_bias: bool,
+                         has_initial_state: bool, indexed_state: bool) -> dict:
+    """The kernel's constexprs for these shapes, options and config (the one
+    place they are derived)."""
+    return dict(
+        H=h, HV=hv, K=kd, V=vd,
+        BK=_pow2(max(kd, 16)),
+        BV=min(_pow2(max(vd, 8)), config.block_v),
+        SCALE=float(opts.scale),
+        USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
+        HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
+        HAS_LOWER_BOUND=opts.lower_bound is not None,
+        LOWER_BOUND=float(opts.lower_bound if opts.lower_bound is not None else 0.0),
+        BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
+        BETA_SCALE=2.0 if opts.allow_neg_eigval else 1.0,
+        USE_INITIAL_STATE=has_initial_state or indexed_state,
+        STORE_FINAL_STATE=opts.output_final_state or indexed_state,
+        STATE_V_FIRST=opts.state_v_first,
+        INDEXED_STATE=indexed_state,
+    )
+
+
+def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
+                               opts: KdaOptions, bounds: SeqBounds, config: RecurrentConfig,
+                               pool: state_pool.StatePool | None = None):
+    """Validated inputs in; ``(o, final_state | None)`` out, or ``(o, new_cache)``
+    with a pool (then ``initial_state`` is None). See kda_jax.fused_recurrent_kda."""
+    b, t, h, kd = q.shape
+    hv, vd = v.shape[-2:]
+    n = bounds.num_seqs
+    tokens = b * t
+    out_dtype = q.dtype
+    f32 = jnp.float32
+    dummy = jnp.zeros((4,), f32)
+    dummy_idx = jnp.zeros((4,), jnp.int32)
+
+    meta = packed_metadata(bounds, _META_CHUNK)
+    meta_dev = jnp.asarray(meta.buffer)  # the one int32 constant of the program
+
+    if tokens == 0:
+        # Every sequence is empty: no token row is touched, but states still
+        # pass through the kernel (a pool row with has_initial_state False
+        # becomes zeros). Stand-ins keep jax-triton away from empty buffers.
+        q = k = v = g = dummy.reshape(1, 1, 1, 4)
+        beta = dummy.reshape(1, 1, 4)
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])
+    q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
+
+    indexed = pool is not None
+    consts = recurrent_constexprs(
+        h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
+        has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
+        has_initial_state=initial_state is not None, indexed_state=indexed,
+    )
+    if indexed:
+        h0, slots = pool.cache, pool.cache.shape[0]
+        read_idx, write_idx = state_pool.read_index(pool), pool.indices
+        ht_shape = pool.cache.shape
+        aliases = {_H0_ARG: 1}  # the pool is the state output's buffer
+    else:
+        h0 = dummy if initial_state is None else initial_state.astype(f32)
+        slots, read_idx, write_idx, aliases = 0, dummy_idx, dummy_idx, None
+        state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
+        ht_shape = state_shape if opts.output_final_state else (4,)
+
+    o, ht = launch(
+        getattr(kernels("fused_recurrent"), KERNEL),
+        q, k, v, g, beta,
+        dummy if A_log is None else A_log.astype(f32),
+        dummy if dt_bias is None else dt_bias.astype(f32),
+        h0, read_idx, write_idx,
+        meta_dev, meta.offset("cu_seqlens"), slots,
+        grid=(n, hv, -(-vd // consts["BV"])),
+        out_shape=[
+            jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), out_dtype),
+            jax.ShapeDtypeStruct(ht_shape, f32),
+        ],
+        name="kda_fused_recurrent",
+        num_warps=config.warps,
+        num_stages=config.stages,
+        input_output_aliases=aliases,
+        **consts,
+    )
+    o = o.reshape(b, t, hv, vd) if tokens else jnp.zeros((b, t, hv, vd), out_dtype)
+    if indexed:
+        return o, ht
+    return o, (ht if opts.output_final_state else None)

@@ -1,0 +1,142 @@
+"""Token-by-token KDA (KDA_SPEC section 1): the decode kernel.
+
+``kda_fused_recurrent_kernel`` (grid (sequences, HV, V-blocks)) walks one
+sequence's tokens in order for one value head and one V block, with the float32
+state [BK, BV] (all of K) in registers, and writes o and the final state:
+
+    S = exp(g_t)[:, None] * S
+    S = S + beta_t * outer(k_t, v_t - k_t @ S)
+    o_t = scale * (q_t @ S)
+
+Layouts (tokens of all sequences packed along T):
+  q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV]; o [T, HV, V];
+  states [rows, HV, K, V] ([rows, HV, V, K] with STATE_V_FIRST), float32.
+Varlen comes from one int32 metadata buffer with cu_seqlens at ``off_cu``.
+
+State rows: without INDEXED_STATE sequence n reads h0[n] and writes ht[n].
+With INDEXED_STATE (a paged state pool) it reads h0[read_idx[n]] and writes
+ht[write_idx[n]]; an index outside [0, slots) reads zeros / writes nothing.
+The pool is passed as h0 and aliased to ht, so rows no sequence names keep
+their contents.
+
+Every exponent is <= 0: the decay exp(g) (g <= 0), and the sigmoid and
+softplus of the in-kernel transforms, which are written on -|x|.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sigmoid(x):
+    """1 / (1 + e^-x), through e^-|x| for either sign of x."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1. / (1. + e), e / (1. + e))
+
+
+@triton.jit
+def _softplus(x):
+    """log(1 + e^x) as max(x, 0) + log(1 + e^-|x|); x itself above 20."""
+    return tl.where(x > 20., x, tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
+
+
+@triton.jit
+def kda_fused_recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
+    o, ht,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+    USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
+):
+    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    bos = tl.load(meta + off_cu + i_n)
+    eos = tl.load(meta + off_cu + i_n + 1)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    if STATE_V_FIRST:
+        o_s = o_v[None, :] * K + o_k[:, None]
+    else:
+        o_s = o_k[:, None] * V + o_v[None, :]
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        if INDEXED_STATE:
+            # A branch on the (program-uniform) index, not a mask: a row that
+            # is not read is never touched.
+            i_r = tl.load(read_idx + i_n)
+            if (i_r >= 0) & (i_r < slots):
+                p_h0 = h0 + (i_r.to(tl.int64) * HV + i_hv) * K * V
+                b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
+        else:
+            p_h0 = h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V
+            b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
+
+    # Per-head gate parameters, loaded once.
+    b_a = 1.
+    b_dt = tl.zeros([BK], dtype=tl.float32)
+    if USE_GATE:
+        if HAS_A_LOG:
+            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
+
+    # Row pointers of the first token; int64 because T * HV * K can pass 2^31.
+    t0 = bos.to(tl.int64)
+    p_q = q + (t0 * H + i_h) * K + o_k
+    p_k = k + (t0 * H + i_h) * K + o_k
+    p_g = g + (t0 * HV + i_hv) * K + o_k
+    p_b = beta + t0 * HV + i_hv
+    p_v = v + (t0 * HV + i_hv) * V + o_v
+    p_o = o + (t0 * HV + i_hv) * V + o_v
+
+    for _ in range(0, eos - bos):
+        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        b_g = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)
+        b_beta = tl.load(p_b).to(tl.float32)
+        if USE_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        if USE_GATE:
+            b_x = b_g + b_dt
+            if HAS_LOWER_BOUND:
+                b_g = LOWER_BOUND * _sigmoid(b_a * b_x)
+            else:
+                b_g = -b_a * _softplus(b_x)
+            b_g = tl.where(m_k, b_g, 0.)
+        if BETA_SIGMOID:
+            b_beta = _sigmoid(b_beta)
+        b_beta = b_beta * BETA_SCALE
+
+        b_h = b_h * tl.exp(b_g)[:, None]
+        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
+        b_h += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], axis=0) * SCALE
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+
+        p_q += H * K
+        p_k += H * K
+        p_g += HV * K
+        p_b += HV
+        p_v += HV * V
+        p_o += HV * V
+
+    if STORE_FINAL_STATE:
+        if INDEXED_STATE:
+            i_w = tl.load(write_idx + i_n)
+            if (i_w >= 0) & (i_w < slots):
+                p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
+                tl.store(p_ht + o_s, b_h, mask=m_kv)
+        else:
+            p_ht = ht + (i_n.to(tl.int64) * HV + i_hv) * K * V
+            tl.store(p_ht + o_s, b_h, mask=m_kv)

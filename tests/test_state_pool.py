@@ -1,0 +1,268 @@
+"""The paged state pool (state_cache, state_indices, has_initial_state) of
+chunk_kda and fused_recurrent_kda, on both implementations, against the float32
+reference and against the same call with initial_state / output_final_state.
+
+Pool rows are compared bit for bit where the contract says "untouched".
+Without a GPU the Triton cases run in Triton's interpreter (small shapes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda_jax
+from kda_jax import reference, testing
+from kda_jax.triton import interpret_mode, unavailable_reason
+
+NO_TRITON = unavailable_reason()
+FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
+COMBOS = [
+    pytest.param(fn, impl, id=f"{fn}-{impl}",
+                 marks=[pytest.mark.skipif(impl == "triton" and NO_TRITON is not None,
+                                           reason=f"Triton path unavailable: {NO_TRITON}")])
+    for fn in FNS for impl in ("xla", "triton")
+]
+H, HV, K, V, SLOTS = 1, 2, 32, 32, 6
+
+
+def _pool(seed, v_first=False, slots=SLOTS):
+    rng = np.random.default_rng(seed)
+    shape = (slots, HV, V, K) if v_first else (slots, HV, K, V)
+    return (0.5 * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _inputs(seed, lens=None, B=1, T=None, **kw):
+    """Inputs and cu_seqlens (None for the dense batch of B sequences of T tokens)."""
+    if lens is None:
+        return testing.make_inputs(seed, B=B, T=T, H=H, HV=HV, K=K, V=V, **kw), None
+    cu = np.cumsum([0] + list(lens))
+    x = testing.make_inputs(seed, T=int(cu[-1]), H=H, HV=HV, K=K, V=V, N=len(lens), **kw)
+    return x, cu
+
+
+def _expected_h0(pool, idx, has=None):
+    """The initial states the contract gives: pool rows, zeros for padding or no state."""
+    idx = np.asarray(idx)
+    read = (idx >= 0) & (idx < pool.shape[0])
+    if has is not None:
+        read &= np.asarray(has)
+    h0 = np.zeros((idx.size,) + pool.shape[1:], np.float32)
+    h0[read] = pool[idx[read]]
+    return h0
+
+
+def _untouched(new, old, rows):
+    for r in rows:
+        np.testing.assert_array_equal(np.asarray(new[r]), old[r], err_msg=f"row {r} changed")
+
+
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_round_trip_equals_initial_and_final_state(fn, impl, check_close):
+    lens, idx = [5, 0, 1, 9], np.array([4, 0, 2, 5], np.int32)
+    x, cu = _inputs(1, lens, with_state=False)
+    pool = _pool(2)
+    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool, state_indices=idx,
+                     implementation=impl)
+    assert new.shape == pool.shape and new.dtype == jnp.float32
+    h0 = _expected_h0(pool, idx)
+    # The same implementation with initial_state / output_final_state.
+    o2, final = FNS[fn](*x.args(), cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                        implementation=impl)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(new)[idx], np.asarray(final), rtol=1e-6, atol=1e-6)
+    ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, initial_state=h0,
+                                           output_final_state=True)
+    check_close(o, ro, "float32", "o")
+    check_close(np.asarray(new)[idx], rs, "float32", "final_state")
+    np.testing.assert_array_equal(np.asarray(new[0]), pool[0])  # empty sequence: kept
+    _untouched(new, pool, [1, 3])
+
+
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_padding_slots_and_has_initial_state(fn, impl, check_close):
+    """Padding (negative, or a device index past the end) reads and writes nothing;
+    has_initial_state False never reads its row (NaN there) but writes it."""
+    x, _ = _inputs(3, B=5, T=3, with_state=False)
+    pool = _pool(4)
+    pool[3] = np.nan  # has_initial_state False: must never be read
+    pool[5] = np.nan  # unnamed: must come back as it was, NaN included
+    idx = jnp.asarray([-1, 3, 1, -7, 9], jnp.int32)  # device indices: not checked on the host
+    has = np.array([True, False, True, True, True])
+    o, new = FNS[fn](*x.args(), state_cache=pool, state_indices=idx, has_initial_state=has,
+                     implementation=impl)
+    h0 = _expected_h0(pool, idx, has)
+    assert np.all(np.isfinite(h0))
+    ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=h0, output_final_state=True)
+    check_close(o, ro, "float32", "o")
+    new = np.asarray(new)
+    check_close(new[[3, 1]], rs[1:3], "float32", "final_state")
+    _untouched(new, pool, [0, 2, 4, 5])
+
+
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_v_first_pool(fn, impl, check_close):
+    x, _ = _inputs(5, B=2, T=7, with_state=False)
+    pool = _pool(6, v_first=True)
+    idx = np.array([5, 1])
+    o, new = FNS[fn](*x.args(), state_cache=pool, state_indices=idx, state_v_first=True,
+                     implementation=impl)
+    h0 = _expected_h0(pool, idx)
+    ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=h0, output_final_state=True,
+                                           state_v_first=True)
+    check_close(o, ro, "float32", "o")
+    check_close(np.asarray(new)[idx], rs, "float32", "final_state")
+    _untouched(new, pool, [0, 2, 3, 4])
+
+
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_mixed_batch_equals_separate_calls(fn, impl, check_close):
+    """Decodes of one token and prefills in one varlen call == one call per sequence."""
+    lens = [1, 1, 12, 1, 7]
+    idx = np.array([2, 5, 0, 3, 1], np.int32)
+    has = np.array([True, True, False, True, False])
+    x, cu = _inputs(7, lens, with_state=False)
+    pool = _pool(8)
+    call = FNS[fn]
+    o, new = call(*x.args(), cu_seqlens=cu, state_cache=pool, state_indices=idx,
+                  has_initial_state=has, implementation=impl)
+    chained, outs = pool, []
+    for i, n in enumerate(lens):
+        part = [a[:, cu[i]:cu[i + 1]] for a in x.args()]
+        o_i, chained = call(*part, cu_seqlens=[0, n], state_cache=chained,
+                            state_indices=idx[i:i + 1], has_initial_state=has[i:i + 1],
+                            implementation=impl)
+        outs.append(np.asarray(o_i))
+    check_close(o, np.concatenate(outs, axis=1), "float32", "o")
+    check_close(new, chained, "float32", "final_state")
+    _untouched(new, pool, [4])
+    ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, output_final_state=True,
+                                           initial_state=_expected_h0(pool, idx, has))
+    check_close(o, ro, "float32", "o")
+    check_close(np.asarray(new)[idx], rs, "float32", "final_state")
+
+
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_decode_loop_in_jit_with_the_pool_donated(fn, impl, check_close):
+    """Three one-token steps through a jitted step that donates the pool; the
+    indices are a traced argument. Equals the reference over the three tokens."""
+    steps, b = 3, 3
+    x, _ = _inputs(9, B=b, T=steps, with_state=False)
+    pool0 = _pool(10)
+    idx = jnp.asarray([4, 0, 1], jnp.int32)
+
+    @jax.jit
+    def _step(pool, idx, q, k, v, g, beta):
+        return FNS[fn](q, k, v, g, beta, state_cache=pool, state_indices=idx,
+                       implementation=impl)
+
+    step = jax.jit(_step, donate_argnums=0)
+    # .copy(): an XLA-owned buffer (a device_put of NumPy data may share the
+    # host array's memory on CPU, which donation cannot reuse).
+    pool, outs = jax.device_put(pool0).copy(), []
+    # In place: the new pool lives in the donated buffer. Not so for the
+    # interpreter, whose callback returns a fresh buffer.
+    in_place = impl == "xla" or not interpret_mode()
+    for t in range(steps):
+        old, where = pool, pool.unsafe_buffer_pointer()
+        o_t, pool = step(pool, idx, *(a[:, t:t + 1] for a in x.args()))
+        outs.append(np.asarray(o_t))
+        assert old.is_deleted()
+        if in_place:
+            assert pool.unsafe_buffer_pointer() == where, "the pool was copied, not updated"
+    h0 = _expected_h0(pool0, np.asarray(idx))
+    ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=h0, output_final_state=True)
+    check_close(np.concatenate(outs, axis=1), ro, "float32", "o")
+    pool = np.asarray(pool)
+    check_close(pool[[4, 0, 1]], rs, "float32", "final_state")
+    _untouched(pool, pool0, [2, 3, 5])
+
+
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_empty_sequences_still_write_their_rows(fn, impl):
+    """No tokens at all: a row with state is written back unchanged, a row
+    without (has_initial_state False) becomes zeros, padding writes nothing."""
+    x, cu = _inputs(11, [0, 0, 0], with_state=False)
+    pool = _pool(12)
+    pool[2] = np.nan
+    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool,
+                     state_indices=np.array([4, 2, -1]),
+                     has_initial_state=np.array([True, False, True]), implementation=impl)
+    assert o.shape == (1, 0, HV, V)
+    np.testing.assert_array_equal(np.asarray(new[2]), 0.0)
+    _untouched(new, pool, [0, 1, 3, 4, 5])
+
+
+# (id, keyword changes, error, message)
+x0, _ = _inputs(0, B=3, T=2, with_state=False)
+P0 = _pool(0)
+GOOD = dict(state_cache=P0, state_indices=np.array([0, 1, 2], np.int32))
+ERROR_CASES = [
+    ("with-initial_state", dict(initial_state=np.zeros((3, HV, K, V), np.float32)), ValueError,
+     r"initial_state and state_cache were both passed.*drop initial_state"),
+    ("with-output_final_state", dict(output_final_state=True), ValueError,
+     r"output_final_state=True and state_cache were both passed.*\(o, new_state_cache\)"),
+    ("indices-without-cache", dict(state_cache=None), ValueError,
+     r"state_indices is only used with state_cache.*pass state_cache too"),
+    ("has-without-cache", dict(state_cache=None, state_indices=None,
+                               has_initial_state=np.ones(3, bool)), ValueError,
+     r"has_initial_state is only used with state_cache"),
+    ("cache-without-indices", dict(state_indices=None), ValueError,
+     r"state_cache needs state_indices: an int32 array \[N\]"),
+    ("cache-bf16", dict(state_cache=jnp.zeros((6, HV, K, V), jnp.bfloat16)), TypeError,
+     r"state_cache must be float32.*got dtype bfloat16"),
+    ("cache-int", dict(state_cache=np.zeros((6, HV, K, V), np.int32)), TypeError,
+     r"state_cache must be floating point"),
+    ("cache-rank3", dict(state_cache=np.zeros((HV, K, V), np.float32)), ValueError,
+     r"state_cache must be rank 4 \[slots, HV, K, V\], got shape \(2, 32, 32\)"),
+    ("cache-heads", dict(state_cache=np.zeros((6, 4, K, V), np.float32)), ValueError,
+     r"state_cache must have shape \(slots, 2, 32, 32\) \[slots, HV, K, V\].*got \(6, 4, 32, 32\)"),
+    ("cache-no-slots", dict(state_cache=np.zeros((0, HV, K, V), np.float32)), ValueError,
+     r"with slots >= 1, got \(0, 2, 32, 32\)"),
+    ("indices-length", dict(state_indices=np.array([0, 1], np.int32)), ValueError,
+     r"state_indices must have shape \(3,\) \[N\].*N = B = 3, got \(2,\)"),
+    ("indices-rank2", dict(state_indices=np.zeros((3, 1), np.int32)), ValueError,
+     r"state_indices must have shape \(3,\)"),
+    ("indices-float", dict(state_indices=np.array([0.0, 1.0, 2.0])), TypeError,
+     r"state_indices must be an int32 array \[N\], got dtype float64"),
+    ("indices-bool", dict(state_indices=np.array([True, False, True])), TypeError,
+     r"state_indices must be an int32 array \[N\], got dtype bool"),
+    ("indices-list", dict(state_indices=[0, 1, 2]), TypeError,
+     r"state_indices must be an int32 array \[N\] \(NumPy or jax\), got list"),
+    ("indices-past-end", dict(state_indices=np.array([0, 6, 1])), ValueError,
+     r"state_indices\[1\]=6 is >= slots=6 \(state_cache.shape\[0\]\); use a row in \[0, slots\)"),
+    ("indices-duplicate", dict(state_indices=np.array([2, -1, 2])), ValueError,
+     r"state_indices names row 2 more than once \(at positions \[0, 2\]\)"),
+    ("has-int", dict(has_initial_state=np.ones(3, np.int32)), TypeError,
+     r"has_initial_state must be a bool array \[N\], got dtype int32"),
+    ("has-length", dict(has_initial_state=np.ones(4, bool)), ValueError,
+     r"has_initial_state must have shape \(3,\) \[N\]"),
+    ("v-first-cache-without-flag", dict(state_cache=np.zeros((6, HV, V + 8, K), np.float32)),
+     ValueError, r"state_cache must have shape \(slots, 2, 32, 32\)"),
+]
+
+
+@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_bad_pool_arguments(fn, case):
+    _, change, error, match = case
+    kw = {**GOOD, **change}
+    with pytest.raises(error, match=match):
+        FNS[fn](*x0.args(), implementation="xla", **kw)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_varlen_error_names_the_sequences(fn):
+    x, cu = _inputs(0, [1, 1])
+    with pytest.raises(ValueError, match=r"N = the number of sequences in cu_seqlens = 2"):
+        FNS[fn](*x.args(), cu_seqlens=cu, state_cache=P0, state_indices=np.array([0, 1, 2]))
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_repeated_padding_indices_are_fine(fn):
+    o, new = FNS[fn](*x0.args(), state_cache=P0, state_indices=np.array([-1, -1, 2]),
+                     implementation="xla")
+    _untouched(new, P0, [0, 1, 3, 4, 5])
+    assert o.shape == (3, 2, HV, V)
