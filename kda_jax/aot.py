@@ -140,11 +140,11 @@ def _launch_for(kernel: str, target: str, spec: Spec):
     """(KernelLaunch, config, work dtype name) of ``kernel`` for this target/spec."""
     import jax.numpy as jnp
 
-    from kda_jax.configs import FORWARD
+    from kda_jax.configs import forward_config
     from kda_jax.triton.forward import forward_launches, work_dtype
 
-    config = FORWARD[target]
     opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
+    config = forward_config(target, spec.chunk)
     in_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype]
     work = work_dtype(in_dtype)
     prep, state = forward_launches(

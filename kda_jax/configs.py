@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 
-__all__ = ["ForwardConfig", "ARCHS", "FORWARD", "current_arch", "forward_config", "override"]
+__all__ = ["ForwardConfig", "ARCHS", "FORWARD", "FORWARD_C32", "current_arch", "forward_config", "override"]
 
 ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
 # Product precisions of the prepare kernel, in the order of its DOT constexpr.
@@ -61,21 +61,30 @@ class ForwardConfig:
                 raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
 
 
-# Starting points, not tuned yet except where noted: AITER's FlashKDA on gfx950
-# runs its prepare kernel with 2 warps and 1 stage and its recurrence with 2
-# warps per 16-32 wide V block (ROCM_NOTES.md); gfx1250 is wave32, so a warp
-# there is half a gfx950 wave and gets twice the warps for the same tile.
+# sm90: measured on the H200 (bench.tune_forward). AMD: from the AOT report
+# (no AMD GPU here): whole-chunk [64, 32] tiles at 4 waves keep gfx950's
+# prepare kernel near 230 VGPRs with no spills (2 waves per SIMD); fp32
+# "ieee" products run on the fp32 MFMA/WMMA units, since these parts have no
+# safe TF32 (ROCM_NOTES.md). gfx1250 is wave32: a warp there is half a gfx950
+# wave and gets twice the warps for the same tile. AITER's FlashKDA recurrence
+# uses 2 warps per 16-32 wide V block on gfx950.
 FORWARD = {
     "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=8, prepare_stages=1,
                           state_block_v=32, state_warps=4, state_stages=2,
                           prepare_dot="tf32x3", prepare_wu_dot="bf16"),
-    "gfx950": ForwardConfig(prepare_block_k=64, prepare_warps=2, prepare_stages=1,
+    "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                             state_block_v=32, state_warps=2, state_stages=2),
-    "gfx942": ForwardConfig(prepare_block_k=64, prepare_warps=2, prepare_stages=1,
+    "gfx942": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                             state_block_v=32, state_warps=2, state_stages=2),
-    "gfx1250": ForwardConfig(prepare_block_k=64, prepare_warps=4, prepare_stages=1,
+    "gfx1250": ForwardConfig(prepare_block_k=32, prepare_warps=8, prepare_stages=1,
                              state_block_v=32, state_warps=4, state_stages=2),
     "default": ForwardConfig(),
+}
+# Chunk 32 where it differs: on sm90 the [32, 32] tiles of 8 warps replicate
+# MMA operands enough to spill at a 32-wide K slice; 4 warps over 16-wide
+# slices stay at 188 registers (AOT report).
+FORWARD_C32 = {
+    "sm90": dataclasses.replace(FORWARD["sm90"], prepare_block_k=16, prepare_warps=4),
 }
 
 _OVERRIDE: contextvars.ContextVar[ForwardConfig | None] = contextvars.ContextVar(
@@ -106,14 +115,17 @@ def current_arch() -> str:
     return "default"
 
 
-def forward_config(arch: str | None = None) -> ForwardConfig:
-    """The forward config for ``arch`` (default: the current device), or the override."""
+def forward_config(arch: str | None = None, chunk_size: int = 64) -> ForwardConfig:
+    """The forward config for ``arch`` (default: the current device) at
+    ``chunk_size``, or the override."""
     chosen = _OVERRIDE.get()
     if chosen is not None:
         return chosen
     arch = current_arch() if arch is None else arch
     if arch not in FORWARD:
         raise ValueError(f"arch={arch!r} has no config; known: {', '.join(FORWARD)}")
+    if chunk_size == 32:
+        return FORWARD_C32.get(arch, FORWARD[arch])
     return FORWARD[arch]
 
 
