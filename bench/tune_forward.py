@@ -28,7 +28,8 @@ from bench.timing import time_jax, versions
 from kda_jax import configs, reference, testing
 
 GRIDS = {
-    # Product precisions, K slice and warps of the prepare kernel.
+    # Product precisions, K slice and warps of the prepare kernel; V block of
+    # the state kernel (each entry changes the shipped config).
     "prepare": [
         dict(prepare_block_k=32, prepare_warps=8, prepare_dot="tf32x3", prepare_wu_dot="bf16"),
         dict(prepare_block_k=32, prepare_warps=8, prepare_dot="tf32x3", prepare_wu_dot="tf32x3"),
@@ -37,6 +38,9 @@ GRIDS = {
         dict(prepare_block_k=16, prepare_warps=4, prepare_dot="tf32x3", prepare_wu_dot="bf16"),
         dict(prepare_block_k=64, prepare_warps=8, prepare_dot="tf32x3", prepare_wu_dot="bf16"),
         dict(prepare_block_k=32, prepare_warps=4, prepare_dot="tf32x3", prepare_wu_dot="bf16"),
+        dict(state_block_v=16),
+        dict(state_block_v=64),
+        dict(state_block_v=16, state_warps=2),
     ],
     "shipped": [{}],
 }
