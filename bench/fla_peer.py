@@ -4,7 +4,9 @@ fla and torch's Triton run beside JAX and jax-triton badly in one process (seen
 on the H200: torch's Triton lost its cache directory once jax-triton had
 compiled), so bench.forward starts this module and reads its JSON from stdout.
 
-    python -m bench.fla_peer '[[B, T, H, K, V, cu_or_null], ...]'
+    python -m bench.fla_peer '[[B, T, H, K, V, cu_or_null], ...]' [forward|backward]
+
+"backward" times the forward plus PyTorch autograd's backward (bench.backward).
 """
 
 import json
@@ -19,6 +21,7 @@ def main():
     from bench.timing import time_torch
 
     rows = json.loads(sys.argv[1])
+    backward = len(sys.argv) > 2 and sys.argv[2] == "backward"
     out = []
     for b, t, h, kd, vd, cu in rows:
         q, k, v, g, beta = make(b, t, h, kd, vd)
@@ -28,7 +31,20 @@ def main():
         if cu is not None:
             kw = dict(cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.long),
                       cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long))
-        ms = time_torch(lambda: chunk_kda(q, k, v, g, beta, **kw))
+        if backward:
+            for a in (q, k, v, g, beta):
+                a.requires_grad_(True)
+            do = torch.randn(b, t, h, vd, device="cuda", dtype=torch.bfloat16)
+
+            def step():
+                for a in (q, k, v, g, beta):
+                    a.grad = None  # no accumulation into earlier gradients
+                o = chunk_kda(q, k, v, g, beta, **kw)[0]
+                torch.autograd.backward(o, do)
+
+            ms = time_torch(step)
+        else:
+            ms = time_torch(lambda: chunk_kda(q, k, v, g, beta, **kw))
         out.append(ms)
     print(json.dumps({"ms": out, "torch": torch.__version__,
                       "fla": getattr(__import__("fla"), "__version__", "?")}))

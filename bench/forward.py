@@ -53,10 +53,11 @@ def jax_runner(impl, arrays, cu):
     return lambda: time_jax(run, q, k, v, g, beta)
 
 
-def fla_times(rows, kd, vd):
-    """fla's chunk_kda times for ``rows``, measured in a child process (see bench.fla_peer)."""
+def fla_times(rows, kd, vd, mode="forward"):
+    """fla's chunk_kda times for ``rows`` (mode "forward", or "backward": forward
+    plus autograd's backward), measured in a child process (see bench.fla_peer)."""
     spec = [[b, t, h, kd, vd, None if cu is None else [int(x) for x in cu]] for b, t, h, cu in rows]
-    proc = subprocess.run([sys.executable, "-m", "bench.fla_peer", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "bench.fla_peer", json.dumps(spec), mode],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"  fla failed: {proc.stderr.strip()[-400:]}", file=sys.stderr)

@@ -13,3 +13,25 @@ def make(b, t, h, kd, vd, seed=0):
     g = -np.exp(rng.uniform(-5, -0.7, (b, t, h, kd))).astype(np.float32)
     beta = rng.uniform(0.05, 1.0, (b, t, h)).astype(np.float32)
     return q, k, v, g, beta
+
+
+def serving_length_sets(base, count, seed=0, jitter=64):
+    """``count`` distinct length lists for a serving benchmark: ``base``
+    permuted, each prefill (length > 1) moved by up to ``jitter`` tokens either
+    way. N stays len(base) and the total within sum(base) + jitter per prefill,
+    so every set lands in one bucket."""
+    rng = np.random.default_rng(seed)
+    base = np.asarray(base, np.int64)
+    out, seen = [], set()
+    for _ in range(100 * count):
+        lens = rng.permutation(base)
+        prefill = lens > 1
+        lens[prefill] += rng.integers(-jitter, jitter + 1, size=int(prefill.sum()))
+        lens = np.maximum(lens, 1)
+        key = tuple(int(x) for x in lens)
+        if key not in seen:
+            seen.add(key)
+            out.append(list(key))
+        if len(out) == count:
+            return out
+    raise ValueError(f"could not draw {count} distinct length sets from {base.tolist()}")

@@ -17,3 +17,7 @@ python3 -m kda_jax.demo --serving 2>&1 | tee "$OUT/demo_serving.log" | tail -15
 python3 -m bench.forward --json "$OUT/h200-forward.json" "$@" 2>&1 | tee "$OUT/bench_forward.log"
 python3 -m bench.forward --varlen "$(python3 -c 'from kda_jax.testing import SERVING_LENGTHS as s; print(",".join(map(str, s)))')" \
   --json "$OUT/h200-forward-varlen.json" 2>&1 | tee -a "$OUT/bench_forward.log"
+# Serving: the bucketed form and the state pool natively, the example, then the serving benchmark.
+python3 -m pytest tests/test_bucketed.py tests/test_state_pool.py -q -ra -p no:cacheprovider 2>&1 | tee "$OUT/pytest_serving.log" | tail -15
+python3 examples/serve_loop.py --steps 200 --check 3 2>&1 | tee "$OUT/serve_loop.log" | tail -8
+python3 -m bench.serving --json "$OUT/h200-serving.json" 2>&1 | tee "$OUT/bench_serving.log"

@@ -1,18 +1,23 @@
 """kda_jax: Kimi Delta Attention for JAX.
 
 ``chunk_kda`` (prefill, training) and ``fused_recurrent_kda`` (decode), with
-variable-length bounds as host data (:class:`SeqBounds`); ``kda_jax.reference``
-holds the float32 ground truth.
+variable-length bounds as host data (:class:`SeqBounds`: one constant per
+bounds) or in the bucketed serving form (:class:`VarlenBatch` in a
+:class:`Bucket`: one runtime buffer, one executable per bucket);
+``kda_jax.reference`` holds the float32 ground truth.
 """
 
 from kda_jax import reference
 from kda_jax.api import IMPLEMENTATIONS, chunk_kda, fused_recurrent_kda
-from kda_jax.bounds import SeqBounds
+from kda_jax.batch import VarlenBatch
+from kda_jax.bounds import Bucket, SeqBounds
 from kda_jax.reference import naive_recurrent_kda
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "Bucket",
     "SeqBounds",
+    "VarlenBatch",
     "chunk_kda",
     "fused_recurrent_kda",
     "naive_recurrent_kda",

@@ -1,11 +1,13 @@
-"""Ahead-of-time compile of the forward kernels, with no GPU present.
+"""Ahead-of-time compile of the forward and backward kernels, with no GPU present.
 
     python -m kda_jax.aot --targets gfx950,gfx1250,gfx942,sm90 --json PATH
 
-Compiles every kernel of ``kda_jax.kernels.chunk_fwd`` for each target at that
-target's shipped config (``kda_jax.configs.FORWARD``) over the representative
-specializations of :data:`SPECS`, with the constexprs and launch options that
-:func:`kda_jax.triton.forward.forward_launches` gives the real launch and the
+Compiles every kernel of ``kda_jax.kernels.chunk_fwd`` and ``chunk_bwd`` for
+each target at that target's shipped config (``kda_jax.configs.FORWARD`` and
+``BACKWARD``) over the representative specializations of :data:`SPECS`, with
+the constexprs and launch options that
+:func:`kda_jax.triton.forward.forward_launches` and
+:func:`kda_jax.triton.backward.backward_launches` give the real launches and the
 pointer specialization jax-triton 0.3.1 uses (every array 16-byte aligned,
 integer scalars unspecialized). For each compile it records register use,
 spills, scratch, LDS / shared memory and occupancy, prints a table, optionally
@@ -46,6 +48,11 @@ import time
 __all__ = ["TARGETS", "SPECS", "Spec", "compile_one", "run", "main"]
 
 KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
+# The backward's kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
+# kda_jax.triton.backward.backward_launches gives them.
+BWD_KERNELS = ("kda_bwd_prepare_kernel", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
+               "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
+ALL_KERNELS = KERNELS + BWD_KERNELS
 
 # target name -> (backend, arch, warp size); the name keys configs.FORWARD.
 TARGETS = {
@@ -127,17 +134,76 @@ _ARGS = {
     ),
     "kda_fwd_state_output_kernel": (
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
-        ("gl", "*fp32"), ("h0", "*fp32"), ("meta", "*i32"),
-        ("off_cu", "i32"), ("off_co", "i32"),
+        ("gl", "*fp32"), ("h0", "*fp32"), ("read_idx", "*i32"), ("write_idx", "*i32"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("n_seqs", "i32"),
+        ("n_tokens", "i32"), ("slots", "i32"),
         ("o", "in"), ("ht", "*fp32"),
     ),
 }
 
+# The backward kernels' runtime arguments, as _ARGS ("in" also covers the
+# output's cotangent do; q, k, g, beta are the transformed inputs).
+_ARGS.update({
+    "kda_bwd_prepare_kernel": (
+        ("q", "in"), ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"), ("meta", "*i32"),
+        ("off_cu", "i32"), ("off_ct", "i32"),
+        ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
+        ("gl", "*fp32"), ("x", "*fp32"),
+    ),
+    "kda_bwd_state_kernel": (
+        ("w", "work"), ("u", "work"), ("kt", "work"), ("gl", "*fp32"), ("h0", "*fp32"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("h", "*fp32"), ("vn", "work"),
+    ),
+    "kda_bwd_dstate_kernel": (
+        ("qg", "work"), ("kt", "work"), ("w", "work"), ("aqk", "work"), ("gl", "*fp32"),
+        ("do", "in"), ("dht", "*fp32"), ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"),
+        ("dh", "*fp32"), ("dvn", "work"), ("dh0", "*fp32"),
+    ),
+    "kda_bwd_inter_kernel": (
+        ("q", "in"), ("k", "in"), ("g", "in"), ("h", "*fp32"), ("dh", "*fp32"), ("vn", "work"),
+        ("dvn", "work"), ("do", "in"), ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("dq", "*fp32"), ("dk", "*fp32"), ("dg", "*fp32"), ("dw", "*fp32"),
+    ),
+    "kda_bwd_wy_kernel": (
+        ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"), ("x", "*fp32"), ("w", "work"),
+        ("u", "work"), ("vn", "work"), ("dvn", "work"), ("do", "in"), ("dk_p", "*fp32"),
+        ("dg_p", "*fp32"), ("dw", "*fp32"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("dv", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"), ("dl", "*fp32"),
+        ("daqk", "*fp32"), ("dbeta", "*fp32"),
+    ),
+    "kda_bwd_intra_kernel": (
+        ("q", "in"), ("k", "in"), ("g", "in"), ("beta", "in"), ("dl", "*fp32"),
+        ("daqk", "*fp32"), ("dq_p", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("dq", "*fp32"), ("dk", "*fp32"), ("dg", "*fp32"), ("dbeta_k", "*fp32"),
+    ),
+})
+
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _bwd_launch_for(kernel: str, target: str, spec: Spec):
+    """_launch_for of a backward kernel (config: configs.BACKWARD[target])."""
+    import jax.numpy as jnp
+
+    from kda_jax.configs import backward_config
+    from kda_jax.triton.backward import backward_launches
+    from kda_jax.triton.forward import work_dtype
+
+    opts, _, _, has_h0 = _spec_options(spec)
+    config = backward_config(target, spec.chunk)
+    work = work_dtype({"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype])
+    launches = backward_launches(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
+                                 config=config, has_initial_state=has_h0,
+                                 has_final_grad=opts.output_final_state)
+    return launches[kernel], config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
 def _launch_for(kernel: str, target: str, spec: Spec):
     """(KernelLaunch, config, work dtype name) of ``kernel`` for this target/spec."""
+    if kernel in BWD_KERNELS:
+        return _bwd_launch_for(kernel, target, spec)
     import jax.numpy as jnp
 
     from kda_jax.configs import forward_config
@@ -254,12 +320,12 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from kda_jax.kernels import chunk_fwd
+        from kda_jax.kernels import chunk_bwd, chunk_fwd
 
         launch, config, work = _launch_for(kernel, target, spec)
         row.update(config=dataclasses.asdict(config), num_warps=launch.num_warps,
                    num_stages=launch.num_stages, constexprs=launch.constexprs)
-        fn = getattr(chunk_fwd, kernel)
+        fn = getattr(chunk_bwd if kernel in BWD_KERNELS else chunk_fwd, kernel)
         if not isinstance(fn, triton.runtime.JITFunction):
             raise RuntimeError(
                 f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
@@ -324,7 +390,7 @@ def _worker_init(cache_dir: str):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def run(targets=tuple(TARGETS), specs=SPECS, kernels=KERNELS, jobs: int = 2,
+def run(targets=tuple(TARGETS), specs=SPECS, kernels=ALL_KERNELS, jobs: int = 2,
         progress=None) -> list[dict]:
     """Compiles every (kernel, target, spec); rows in that order.
 
@@ -357,7 +423,10 @@ def run(targets=tuple(TARGETS), specs=SPECS, kernels=KERNELS, jobs: int = 2,
 # Command line.
 # --------------------------------------------------------------------------- #
 
-_SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "state_output"}
+_SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "state_output",
+          "kda_bwd_prepare_kernel": "bwd_prepare", "kda_bwd_state_kernel": "bwd_state",
+          "kda_bwd_dstate_kernel": "bwd_dstate", "kda_bwd_inter_kernel": "bwd_inter",
+          "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra"}
 
 
 def _fmt(v):
@@ -388,7 +457,8 @@ def _source_hashes() -> dict:
     import importlib.util
 
     out = {}
-    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.triton.forward"):
+    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.triton.forward",
+                "kda_jax.kernels.chunk_bwd", "kda_jax.triton.backward"):
         path = importlib.util.find_spec(mod).origin
         with open(path, "rb") as f:
             out[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
@@ -415,7 +485,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="only the main shape (K=V=128 bf16): 4 specs instead of "
                              f"{len(SPECS)}")
-    parser.add_argument("--kernels", default=None, help="comma list of kernel names (default: both)")
+    parser.add_argument("--kernels", default=None,
+                        help="comma list of kernel names (default: all, forward and backward)")
     parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--quiet", action="store_true", help="no per-compile progress lines")
@@ -428,7 +499,7 @@ def main(argv=None) -> int:
     specs = tuple(by_name[n] for n in _pick(args.specs, by_name, "specs"))
     if args.quick:
         specs = tuple(s for s in specs if s.shape == "main")
-    kernels = _pick(args.kernels, KERNELS, "kernels")
+    kernels = _pick(args.kernels, ALL_KERNELS, "kernels")
 
     def progress(r):
         if not args.quiet:

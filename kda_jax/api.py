@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_jax.batch import VarlenBatch, mask_padding, num_seqs
 from kda_jax.bounds import SeqBounds, as_seq_bounds
 from kda_jax.options import KdaOptions
 from kda_jax import configs, xla
@@ -65,10 +66,19 @@ def _check_static_number(value, name: str):
     return float(value)
 
 
-def _resolve_bounds(cu_seqlens, b: int, t: int) -> SeqBounds:
-    """Host bounds over the flattened B * T tokens."""
+def _resolve_bounds(cu_seqlens, b: int, t: int) -> SeqBounds | VarlenBatch:
+    """Host bounds over the flattened B * T tokens, or the bucketed batch."""
     if cu_seqlens is None:
         return SeqBounds.from_lengths(np.full(b, t, np.int64))
+    if isinstance(cu_seqlens, VarlenBatch):
+        bucket = cu_seqlens.bucket
+        if b != 1 or t != bucket.max_tokens:
+            raise ValueError(
+                f"with a VarlenBatch as cu_seqlens, q, k, v, g, beta must be [1, "
+                f"max_tokens={bucket.max_tokens}, ...] (tokens packed along T, padded to the "
+                f"bucket), got B={b}, T={t}; pad them with batch.pad_tokens(x)"
+            )
+        return cu_seqlens
     bounds = as_seq_bounds(cu_seqlens)
     if b != 1:
         raise ValueError(
@@ -103,7 +113,7 @@ def _int_vector(x, name: str, n: int, what: str, kind: str):
 
 
 def _check_pool(state_cache, state_indices, has_initial_state, *, initial_state,
-                output_final_state, n, hv, kd, vd, state_v_first, varlen):
+                output_final_state, n, hv, kd, vd, state_v_first, what):
     """Validates the paged-state arguments; returns a StatePool or None."""
     if state_cache is None:
         for name, value in (("state_indices", state_indices),
@@ -144,7 +154,6 @@ def _check_pool(state_cache, state_indices, has_initial_state, *, initial_state,
             "state_cache needs state_indices: an int32 array [N] naming each sequence's row "
             "of the pool (negative for a padding slot)"
         )
-    what = "the number of sequences in cu_seqlens" if varlen else "B"
     _int_vector(state_indices, "state_indices", n, what, "int")
     slots = int(state_cache.shape[0])
     if isinstance(state_indices, np.ndarray):
@@ -242,13 +251,16 @@ def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                 )
 
     bounds = _resolve_bounds(cu_seqlens, b, t)
+    n = num_seqs(bounds)
+    if isinstance(bounds, VarlenBatch):
+        what = "the bucket's max_seqs"
+    else:
+        what = "the number of sequences in cu_seqlens" if cu_seqlens is not None else "B"
     if initial_state is not None:
-        n = bounds.num_seqs
         state_shape = (n, hv, vd, kd) if flags["state_v_first"] else (n, hv, kd, vd)
         layout = "[N, HV, V, K] (state_v_first)" if flags["state_v_first"] else "[N, HV, K, V]"
         _shape(initial_state, "initial_state", 4, layout)
         if tuple(initial_state.shape) != state_shape:
-            what = "the number of sequences in cu_seqlens" if cu_seqlens is not None else "B"
             raise ValueError(
                 f"initial_state must have shape {state_shape} {layout} with N = {what} = {n}, "
                 f"got {tuple(initial_state.shape)}"
@@ -262,8 +274,8 @@ def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
 
     pool = _check_pool(
         state_cache, state_indices, has_initial_state, initial_state=initial_state,
-        output_final_state=flags["output_final_state"], n=bounds.num_seqs, hv=hv, kd=kd,
-        vd=vd, state_v_first=flags["state_v_first"], varlen=cu_seqlens is not None,
+        output_final_state=flags["output_final_state"], n=n, hv=hv, kd=kd,
+        vd=vd, state_v_first=flags["state_v_first"], what=what,
     )
     opts = KdaOptions(
         scale=float(scale),
@@ -306,11 +318,16 @@ def _choose_backend(implementation: str | None, q, v) -> str:
 
 # The backends. `pool` is a kda_jax.pool.StatePool or None; with a pool they
 # return (o, new_state_cache). None of them donates: the caller's jit decides
-# whether the pool is updated in place (donate_argnums there).
+# whether the pool is updated in place (donate_argnums there). `bounds` is a
+# pytree in either form: SeqBounds has no leaves (it keys the jit cache on its
+# contents, as a static argument would); a VarlenBatch's one leaf is traced
+# and its bucket keys the cache. A batch's padded sequence slots leave the pool
+# alone (mask_padding).
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "bounds"))
+@functools.partial(jax.jit, static_argnames=("opts",))
 def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts, bounds):
+    pool = mask_padding(pool, bounds)
     if pool is not None:
         return state_pool.gather_run_scatter(xla.chunk_kda_xla, pool, q, k, v, g, beta, A_log,
                                              dt_bias, opts=opts, bounds=bounds)
@@ -318,23 +335,28 @@ def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, op
                              opts=opts, bounds=bounds)
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "bounds", "config"))
+@functools.partial(jax.jit, static_argnames=("opts", "config", "bwd_config"))
 def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
-                  bounds, config):
-    if pool is not None:
-        # TEMPORARY: the pool is gathered and scattered in JAX around the
-        # Triton forward, until the chunked state kernel reads and writes the
-        # pool's rows itself (as the decode kernel does).
-        return state_pool.gather_run_scatter(kda_triton.chunk_kda_triton, pool, q, k, v, g,
-                                             beta, A_log, dt_bias, opts=opts, bounds=bounds,
-                                             config=config)
-    return kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias,
-                                       opts=opts, bounds=bounds, config=config)
+                  bounds, config, bwd_config=None):
+    if pool is not None or isinstance(bounds, VarlenBatch):
+        # The serving forms, forward only: with a pool the state kernel reads
+        # and writes its rows in place (no gather/scatter); a bucketed batch's
+        # grids come from its bucket.
+        return kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias,
+                                           opts=opts, bounds=bounds, config=config,
+                                           pool=mask_padding(pool, bounds))
+    # Differentiable (jax.custom_vjp, kda_jax.triton.backward); the serving
+    # branch above is not: gradients with state_cache or a VarlenBatch are
+    # unsupported on this backend.
+    return kda_triton.chunk_kda_triton_grad(q, k, v, g, beta, initial_state, A_log, dt_bias,
+                                            opts=opts, bounds=bounds, config=config,
+                                            bwd_config=bwd_config)
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "bounds"))
+@functools.partial(jax.jit, static_argnames=("opts",))
 def _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
                    bounds):
+    pool = mask_padding(pool, bounds)
     if pool is not None:
         return state_pool.gather_run_scatter(xla.fused_recurrent_kda_xla, pool, q, k, v, g,
                                              beta, A_log, dt_bias, opts=opts, bounds=bounds)
@@ -342,13 +364,14 @@ def _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *
                                        opts=opts, bounds=bounds)
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "bounds", "config"))
+@functools.partial(jax.jit, static_argnames=("opts", "config"))
 def _recurrent_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
                       bounds, config):
     # With a pool the kernel reads and writes its rows in place (no gather/scatter).
     return kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log,
                                                  dt_bias, opts=opts, bounds=bounds,
-                                                 config=config, pool=pool)
+                                                 config=config,
+                                                 pool=mask_padding(pool, bounds))
 
 
 _ARGS_DOC = """
@@ -378,6 +401,11 @@ _ARGS_DOC = """
         a NumPy array, a list/tuple or :class:`kda_jax.SeqBounds`. A jax.Array is
         refused (it would need a device read-back). Hashable bounds key the jit
         cache: equal bounds reuse a compiled program, new bounds retrace.
+        Or a :class:`kda_jax.VarlenBatch`, the bucketed serving form: padded
+        metadata as a runtime argument, one executable per bucket. Then q..beta
+        are ``[1, bucket.max_tokens, ...]`` (rows past the real tokens get
+        o = 0 and touch no state) and N = ``bucket.max_seqs`` (slots past the
+        real sequences are empty; their pool indices are ignored).
       state_cache: a paged state pool (serving), float32 ``[slots, HV, K, V]``
         (``[slots, HV, V, K]`` with ``state_v_first``). Sequence n starts from
         row ``state_indices[n]`` and its final state is written back to that
@@ -423,10 +451,19 @@ def chunk_kda(
         state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state,
     )
+    if isinstance(bounds, VarlenBatch) and bounds.bucket.chunk_size != opts.chunk_size:
+        raise ValueError(
+            f"chunk_size={opts.chunk_size} differs from the VarlenBatch's bucket chunk_size="
+            f"{bounds.bucket.chunk_size} (its chunk table is built for that size); pass "
+            f"chunk_size={bounds.bucket.chunk_size} or build the batch with "
+            f"kda_jax.Bucket(..., chunk_size={opts.chunk_size})"
+        )
     backend = _choose_backend(implementation, q, v)
     args = (q, k, v, g, beta, initial_state, A_log, dt_bias, pool)
     if backend == "triton":
-        return _chunk_triton(*args, opts=opts, bounds=bounds, config=configs.forward_config())
+        config = configs.forward_config(chunk_size=opts.chunk_size)
+        return _chunk_triton(*args, opts=opts, bounds=bounds, config=config,
+                             bwd_config=configs.backward_config(chunk_size=opts.chunk_size))
     return _chunk_xla(*args, opts=opts, bounds=bounds)
 
 

@@ -3,7 +3,10 @@
 Variable-length bounds (``cu_seqlens``) are host data in kda_jax: every table a
 kernel needs is a pure function of the bounds and the chunk size, so it is built
 here with NumPy at trace time, cached on the bounds' contents, and reaches the
-device as one int32 constant. Nothing in this module touches a device.
+device as one int32 constant. The bucketed (serving) form pads the same tables
+to a static :class:`Bucket` instead, so that the buffer can be a runtime
+argument whose shape does not change with the bounds. Nothing in this module
+touches a device.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ __all__ = [
     "pack_int32_tables",
     "packed_metadata",
     "lane_schedule",
+    "Bucket",
+    "bucketed_metadata",
+    "most_chunks",
 ]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -171,7 +177,15 @@ def as_seq_bounds(cu_seqlens) -> SeqBounds:
             "metadata on the host at trace time, so reading device bounds back "
             "would stall every step. Pass the bounds as host data: a NumPy array, "
             "a list/tuple, or kda_jax.SeqBounds (hashable; usable as a jax.jit "
-            "static argument)."
+            "static argument). For bounds that change every step without a "
+            "recompile, pass kda_jax.VarlenBatch.build(host_bounds, bucket) as a "
+            "jit argument: the bucketed form, whose metadata is a runtime array."
+        )
+    if type(cu_seqlens).__name__ == "VarlenBatch":  # e.g. given to the reference
+        raise TypeError(
+            "a VarlenBatch (the bucketed form) is taken by chunk_kda and "
+            "fused_recurrent_kda as cu_seqlens, not by host-bounds helpers; pass the "
+            "host bounds it was built from"
         )
     raise TypeError(
         f"cu_seqlens must be a NumPy array, a list/tuple of ints or a "
@@ -291,6 +305,15 @@ def pack_int32_tables(tables: dict[str, np.ndarray]) -> PackedTables:
     return PackedTables(buffer=buffer, layout=tuple(layout))
 
 
+def _varlen_tables(bounds: SeqBounds, chunk_size: int) -> dict[str, np.ndarray]:
+    """The kernels' tables, unpadded: the one builder of both metadata forms."""
+    return {
+        "cu_seqlens": bounds.cu_seqlens,
+        "chunk_offsets": chunk_offsets(bounds, chunk_size),
+        "chunk_table": chunk_table(bounds, chunk_size),
+    }
+
+
 @_cached_per_chunk_size
 def packed_metadata(bounds: SeqBounds, chunk_size: int) -> PackedTables:
     """The chunk-parallel kernels' metadata in one aligned int32 buffer.
@@ -298,13 +321,204 @@ def packed_metadata(bounds: SeqBounds, chunk_size: int) -> PackedTables:
     Blocks: ``cu_seqlens`` ``[N + 1]``, ``chunk_offsets`` ``[N + 1]`` and
     ``chunk_table`` ``[num_chunks, 2]`` (see :func:`chunk_table`).
     """
-    return pack_int32_tables(
-        {
-            "cu_seqlens": bounds.cu_seqlens,
-            "chunk_offsets": chunk_offsets(bounds, chunk_size),
-            "chunk_table": chunk_table(bounds, chunk_size),
-        }
-    )
+    return pack_int32_tables(_varlen_tables(bounds, chunk_size))
+
+
+# --------------------------------------------------------------------------- #
+# The bucketed form: the same tables padded to a static bucket.
+# --------------------------------------------------------------------------- #
+
+# chunk_kda's chunk sizes; a bucket's chunk table is built for one of them.
+BUCKET_CHUNK_SIZES = (32, 64)
+
+
+def _positive_int(value, name: str, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int; {fix}")
+    if value > _INT32_MAX:
+        raise ValueError(f"{name}={value} does not fit in int32; {fix}")
+    return int(value)
+
+
+def most_chunks(max_seqs: int, max_tokens: int, chunk_size: int) -> int:
+    """The most chunks any bounds of at most ``max_seqs`` sequences and
+    ``max_tokens`` tokens can have: each non-empty sequence adds at most one
+    partial chunk, so k non-empty sequences need at most
+    ``k + (tokens - k) // chunk_size`` chunks, largest at k = min(seqs, tokens)."""
+    k = min(max_seqs, max_tokens)
+    return k + (max_tokens - k) // chunk_size
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """The static shape of a bucketed varlen batch (the serving form).
+
+    Every bounds that fits the bucket gives metadata of the same shape, so a
+    jitted step compiles once per bucket, however the bounds change. Frozen
+    and hashable: the static part of :class:`kda_jax.VarlenBatch`.
+
+    Attributes:
+      max_seqs: sequence slots N_b. ``initial_state``, ``state_indices``,
+        ``has_initial_state`` and final states are ``[max_seqs, ...]``; slots
+        past the real sequence count are empty sequences.
+      max_tokens: token rows T_b: q, k, v, g, beta are ``[1, max_tokens, ...]``;
+        rows past the real token count belong to no sequence.
+      chunk_size: the chunk size of the chunk table (chunk_kda's ``chunk_size``,
+        32 or 64).
+      max_chunks: chunk slots (the grid of the chunk-parallel kernel). Default:
+        the most any bounds within (max_seqs, max_tokens) can need
+        (:func:`most_chunks`), so it never limits; a smaller value is checked
+        for each bounds.
+    """
+
+    max_seqs: int
+    max_tokens: int
+    chunk_size: int = 64
+    max_chunks: int | None = None
+
+    def __post_init__(self):
+        fix = "pick a bucket with kda_jax.Bucket.fit(cu_seqlens)"
+        seqs = _positive_int(self.max_seqs, "max_seqs", fix)
+        tokens = _positive_int(self.max_tokens, "max_tokens", fix)
+        if isinstance(self.chunk_size, bool) or self.chunk_size not in BUCKET_CHUNK_SIZES:
+            raise ValueError(
+                f"chunk_size={self.chunk_size!r} must be 32 or 64 (chunk_kda's chunk sizes)"
+            )
+        most = most_chunks(seqs, tokens, int(self.chunk_size))
+        chunks = most if self.max_chunks is None else _positive_int(
+            self.max_chunks, "max_chunks", f"or None for the most the bucket can need ({most})")
+        # Normalized, so that Bucket(16, 4096) == Bucket(16, 4096, 64, 79).
+        for name, value in (("max_seqs", seqs), ("max_tokens", tokens),
+                            ("chunk_size", int(self.chunk_size)),
+                            ("max_chunks", min(chunks, most))):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def fit(cls, cu_seqlens, *, chunk_size: int = 64, candidates=None, min_seqs: int = 1,
+            min_tokens: int = 1) -> "Bucket":
+        """A bucket that holds ``cu_seqlens`` (host bounds).
+
+        With ``candidates`` (Buckets, smallest first): the first that holds the
+        bounds. Without: powers of two, ``max_seqs = pow2(max(N, min_seqs))``
+        and ``max_tokens = pow2(max(T, min_tokens))``, so bounds that change
+        every step land in few buckets (one compile each).
+        """
+        bounds = as_seq_bounds(cu_seqlens)
+        if candidates is not None:
+            candidates = list(candidates)
+            for bucket in candidates:
+                if not isinstance(bucket, Bucket):
+                    raise TypeError(f"candidates must hold kda_jax.Bucket values, got "
+                                    f"{type(bucket).__name__}")
+                if bucket.chunk_size == chunk_size and bucket.why_not(bounds) is None:
+                    return bucket
+            raise ValueError(
+                f"no bucket in candidates holds {bounds} (N={bounds.num_seqs}, "
+                f"T={bounds.total_tokens}) with chunk_size={chunk_size}; add a larger one"
+            )
+        fix = "pass a positive int"
+        return cls(
+            max_seqs=_pow2(max(bounds.num_seqs, _positive_int(min_seqs, "min_seqs", fix))),
+            max_tokens=_pow2(max(bounds.total_tokens,
+                                 _positive_int(min_tokens, "min_tokens", fix))),
+            chunk_size=chunk_size,
+        )
+
+    def why_not(self, cu_seqlens) -> str | None:
+        """Why ``cu_seqlens`` does not fit this bucket (None when it does)."""
+        bounds = as_seq_bounds(cu_seqlens)
+        chunks = chunk_table(bounds, self.chunk_size).shape[0]
+        for what, value, limit in (("sequences", bounds.num_seqs, self.max_seqs),
+                                   ("tokens", bounds.total_tokens, self.max_tokens),
+                                   (f"chunks of {self.chunk_size}", chunks, self.max_chunks)):
+            if value > limit:
+                return f"{bounds} has {value} {what}, more than the bucket's {limit}"
+        return None
+
+    @property
+    def layout(self) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+        """``((name, offset, shape), ...)`` of the metadata buffer (static)."""
+        return _bucket_layout(self)[0]
+
+    @property
+    def metadata_size(self) -> int:
+        """int32 elements of the metadata buffer."""
+        return _bucket_layout(self)[1]
+
+    def offset(self, name: str) -> int:
+        for entry in self.layout:
+            if entry[0] == name:
+                return entry[1]
+        raise KeyError(f"{name!r} is not in a bucketed buffer; it holds "
+                       f"{[e[0] for e in self.layout]}")
+
+
+def _bucket_shapes(bucket: Bucket) -> dict[str, tuple[int, ...]]:
+    n = bucket.max_seqs
+    return {
+        # (num_seqs, total_tokens, num_chunks, chunk_size) of the real bounds.
+        "header": (4,),
+        # N_b + 2 entries: slot N_b is an always-empty sentinel sequence at
+        # the real token count, which padded chunk-table rows point at.
+        "cu_seqlens": (n + 2,),
+        "chunk_offsets": (n + 2,),
+        "chunk_table": (bucket.max_chunks, 2),
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_layout(bucket: Bucket):
+    layout, cursor = [], 0
+    for name, shape in _bucket_shapes(bucket).items():
+        layout.append((name, cursor, shape))
+        cursor += -(-int(np.prod(shape)) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    return tuple(layout), cursor
+
+
+def bucketed_metadata(cu_seqlens, bucket: Bucket) -> PackedTables:
+    """The tables of :func:`packed_metadata`, padded to ``bucket``: one aligned
+    int32 buffer whose shape depends on the bucket only.
+
+    Blocks (in this order):
+      ``header`` ``[4]``: (N, T, number of chunks, chunk size) of the real bounds.
+      ``cu_seqlens`` ``[N_b + 2]``: the bounds, then T repeated: slots
+        N..N_b - 1 are empty sequences, and slot N_b is an always-empty
+        sentinel (also when N == N_b).
+      ``chunk_offsets`` ``[N_b + 2]``: the offsets, then the chunk count repeated.
+      ``chunk_table`` ``[max_chunks, 2]``: the (sequence, chunk) rows, then
+        (N_b, 0): chunk 0 of the sentinel, which has no rows, so a kernel
+        program given a padded chunk loads and stores nothing.
+    Token rows T..T_b - 1 belong to no sequence.
+    """
+    if not isinstance(bucket, Bucket):
+        raise TypeError(f"bucket must be a kda_jax.Bucket, got {type(bucket).__name__}")
+    bounds = as_seq_bounds(cu_seqlens)
+    reason = bucket.why_not(bounds)
+    if reason is not None:
+        raise ValueError(f"{reason}; pick a larger bucket (kda_jax.Bucket.fit(cu_seqlens))")
+    n, t, nb = bounds.num_seqs, bounds.total_tokens, bucket.max_seqs
+    tables = _varlen_tables(bounds, bucket.chunk_size)
+    nc = tables["chunk_table"].shape[0]
+    cu = np.full(nb + 2, t, np.int64)
+    cu[: n + 1] = tables["cu_seqlens"]
+    co = np.full(nb + 2, nc, np.int64)
+    co[: n + 1] = tables["chunk_offsets"]
+    ct = np.empty((bucket.max_chunks, 2), np.int64)
+    ct[:nc] = tables["chunk_table"]
+    ct[nc:] = (nb, 0)
+    packed = pack_int32_tables({
+        "header": np.array([n, t, nc, bucket.chunk_size]),
+        "cu_seqlens": cu,
+        "chunk_offsets": co,
+        "chunk_table": ct,
+    })
+    if packed.layout != bucket.layout:  # the layout is static: it must not depend on data
+        raise RuntimeError(f"bucketed metadata layout {packed.layout} != {bucket.layout}")
+    return packed
 
 
 # --------------------------------------------------------------------------- #

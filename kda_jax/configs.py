@@ -13,7 +13,8 @@ import contextlib
 import contextvars
 import dataclasses
 
-__all__ = ["ForwardConfig", "ARCHS", "FORWARD", "FORWARD_C32", "current_arch", "forward_config", "override"]
+__all__ = ["ForwardConfig", "ARCHS", "FORWARD", "FORWARD_C32", "current_arch", "forward_config",
+           "override"]
 
 ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
 # Product precisions of the prepare kernel, in the order of its DOT constexpr.
@@ -35,6 +36,11 @@ class ForwardConfig:
       about fp32 accuracy), "tf32" (NVIDIA only) or "bf16" (operands rounded
       to bf16). The inverse itself is always exact fp32 arithmetic.
     prepare_wu_dot: precision of w = X (beta k e^G) and u = X (beta v).
+    fp32_dot: precision of every product of the prepare kernel when the
+      inputs are float32: users of float32 expect float32 accuracy, which the
+      16-bit and tf32 modes above do not give.
+    fp32_block_k: the prepare kernel's K slice with float32 inputs (None:
+      prepare_block_k); fp32-grade products hold more registers.
     """
 
     prepare_block_k: int = 64
@@ -45,14 +51,18 @@ class ForwardConfig:
     state_stages: int = 2
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
+    fp32_dot: str = "ieee"
+    fp32_block_k: int | None = None
 
     def __post_init__(self):
-        for name in ("prepare_dot", "prepare_wu_dot"):
+        for name in ("prepare_dot", "prepare_wu_dot", "fp32_dot"):
             value = getattr(self, name)
             if value not in DOT_MODES:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
-        for name in ("prepare_block_k", "state_block_v"):
+        for name in ("prepare_block_k", "state_block_v", "fp32_block_k"):
             value = getattr(self, name)
+            if value is None and name == "fp32_block_k":
+                continue
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
         for name in ("prepare_warps", "state_warps"):
@@ -61,7 +71,11 @@ class ForwardConfig:
                 raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
 
 
-# sm90: measured on the H200 (bench.tune_forward). AMD: from the AOT report
+# sm90: measured on the H200 (bench.tune_forward at (1, 8192, 32), bf16):
+# [64, 32] tiles at 4 warps beat 8 warps (1 block per SM at ~240 registers)
+# and 16-wide slices; tf32x3 for the products that feed the inverse, bf16 for
+# w and u (o's relative RMS error 3.6e-3 against 3.2e-3 with fp32 products).
+# AMD: from the AOT report
 # (no AMD GPU here): whole-chunk [64, 32] tiles at 4 waves keep gfx950's
 # prepare kernel near 230 VGPRs with no spills (2 waves per SIMD); fp32
 # "ieee" products run on the fp32 MFMA/WMMA units, since these parts have no
@@ -69,9 +83,10 @@ class ForwardConfig:
 # wave and gets twice the warps for the same tile. AITER's FlashKDA recurrence
 # uses 2 warps per 16-32 wide V block on gfx950.
 FORWARD = {
-    "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=8, prepare_stages=1,
+    "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                           state_block_v=32, state_warps=4, state_stages=2,
-                          prepare_dot="tf32x3", prepare_wu_dot="bf16"),
+                          prepare_dot="tf32x3", prepare_wu_dot="bf16", fp32_dot="tf32x3",
+                          fp32_block_k=16),
     "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                             state_block_v=32, state_warps=2, state_stages=2),
     "gfx942": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
@@ -80,9 +95,8 @@ FORWARD = {
                              state_block_v=32, state_warps=4, state_stages=2),
     "default": ForwardConfig(),
 }
-# Chunk 32 where it differs: on sm90 the [32, 32] tiles of 8 warps replicate
-# MMA operands enough to spill at a 32-wide K slice; 4 warps over 16-wide
-# slices stay at 188 registers (AOT report).
+# Chunk 32 where it differs: on sm90 [32, 32] tiles over 32-wide K slices
+# spill (AOT report); 16-wide slices do not.
 FORWARD_C32 = {
     "sm90": dataclasses.replace(FORWARD["sm90"], prepare_block_k=16, prepare_warps=4),
 }
@@ -246,3 +260,125 @@ def target_arch(arch: str):
         yield arch
     finally:
         _TARGET_ARCH.reset(token)
+
+
+# --------------------------------------------------------------------------- #
+# The backward kernels of chunk_kda (kda_jax.kernels.chunk_bwd).
+# --------------------------------------------------------------------------- #
+
+__all__ += ["BackwardConfig", "BACKWARD", "BACKWARD_C32", "backward_config", "override_backward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Launch parameters of the six backward kernels.
+
+    prepare_*: the recompute of w, u, qg, kt, Aqk, gl and X (as the forward's
+      prepare kernel: K slice, warps, stages; prepare_dot and prepare_wu_dot
+      as the forward's).
+    state_block_v / state_warps / state_stages: both state passes (forward
+      h and reverse dS; one program per sequence, head and V block).
+    inter_block_k / inter_block_v / inter_warps: the per-chunk state terms
+      (grid chunks x heads x K blocks; loops over V blocks).
+    wy_block_k / wy_block_v / wy_warps: the per-chunk gradients through X
+      (grid chunks x heads; loops over K and V blocks). wy_dot: precision of
+      its dots with X and the WY products: "ieee" (fp32) or, on NVIDIA,
+      "tf32x3" (about fp32; fewer registers than fp32 FMA dots).
+    intra_block_k / intra_warps: the products' backward (grid chunks x heads
+      x K blocks).
+    product_dot: precision of the products' backward in the intra kernel
+      (see ForwardConfig.prepare_dot).
+    """
+
+    prepare_block_k: int = 64
+    prepare_warps: int = 4
+    prepare_stages: int = 1
+    prepare_dot: str = "ieee"
+    prepare_wu_dot: str = "ieee"
+    fp32_dot: str = "ieee"
+    fp32_block_k: int | None = None
+    state_block_v: int = 32
+    state_warps: int = 4
+    state_stages: int = 2
+    inter_block_k: int = 64
+    inter_block_v: int = 64
+    inter_warps: int = 4
+    wy_block_k: int = 32
+    wy_block_v: int = 32
+    wy_warps: int = 4
+    wy_dot: str = "ieee"
+    intra_block_k: int = 32
+    intra_warps: int = 4
+    product_dot: str = "ieee"
+
+    def __post_init__(self):
+        for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "wy_dot"):
+            if getattr(self, name) not in DOT_MODES:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of "
+                                 f"{', '.join(DOT_MODES)}")
+        for name in ("prepare_block_k", "state_block_v", "inter_block_k", "inter_block_v",
+                     "wy_block_k", "wy_block_v", "intra_block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        for name in ("prepare_warps", "state_warps", "inter_warps", "wy_warps", "intra_warps"):
+            value = getattr(self, name)
+            if value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
+
+
+# Untuned starting points (correctness first; the GPU tuning is still to do).
+# AMD targets use 2 waves of 64 where NVIDIA uses 4 warps of 32, as in FORWARD.
+BACKWARD = {
+    # sm90: the products' backward runs in tf32 (tf32x3 and fp32 spill at every
+    # warp count and K block tried, 4-16 warps, 16-32 wide). Still spilling
+    # (kda_jax.aot): the wy kernel at chunk 64 (its fp32 dots with X), and the
+    # state passes with fp32 or K = 256 inputs.
+    "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=8, prepare_dot="tf32x3",
+                           prepare_wu_dot="tf32x3", state_block_v=16, inter_block_k=32,
+                           wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="ieee",
+                           intra_block_k=16, intra_warps=8, product_dot="tf32"),
+    "gfx950": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=2,
+                             inter_warps=2, wy_warps=4),
+    # gfx942: 64 KiB of LDS; the reverse state pass fits at one stage, 4 waves.
+    "gfx942": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=4,
+                             state_stages=1, inter_warps=2, wy_warps=4),
+    "gfx1250": BackwardConfig(prepare_block_k=32, prepare_warps=8, wy_warps=8),
+    "default": BackwardConfig(),
+}
+
+# Chunk 32 (as FORWARD_C32): narrower K slices for the prepare and inter kernels.
+BACKWARD_C32 = {
+    "sm90": dataclasses.replace(BACKWARD["sm90"], prepare_block_k=16, prepare_warps=4,
+                                inter_block_k=16),
+}
+
+_BACKWARD_OVERRIDE: contextvars.ContextVar[BackwardConfig | None] = contextvars.ContextVar(
+    "kda_jax_backward_config", default=None
+)
+
+
+def backward_config(arch: str | None = None, chunk_size: int = 64) -> BackwardConfig:
+    """The backward config for ``arch`` (default: the current device) at
+    ``chunk_size``, or the override."""
+    chosen = _BACKWARD_OVERRIDE.get()
+    if chosen is not None:
+        return chosen
+    arch = current_arch() if arch is None else arch
+    if arch not in BACKWARD:
+        raise ValueError(f"arch={arch!r} has no config; known: {', '.join(BACKWARD)}")
+    if chunk_size == 32:
+        return BACKWARD_C32.get(arch, BACKWARD[arch])
+    return BACKWARD[arch]
+
+
+@contextlib.contextmanager
+def override_backward(config: BackwardConfig):
+    """Uses ``config`` for the backward of every chunk_kda traced inside the block."""
+    if not isinstance(config, BackwardConfig):
+        raise TypeError(f"config must be a BackwardConfig, got {type(config).__name__}")
+    token = _BACKWARD_OVERRIDE.set(config)
+    try:
+        yield config
+    finally:
+        _BACKWARD_OVERRIDE.reset(token)

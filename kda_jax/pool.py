@@ -6,8 +6,8 @@ where ``has_initial_state[n]`` is False or the index is negative) and writes its
 final state back to that row; a negative index is a padding slot, neither read
 nor written. Other rows are left as they were.
 
-The Triton decode kernel reads and writes the rows itself; the portable path
-(and, for now, chunk_kda's Triton path) gathers the rows before the call and
+The Triton kernels (decode and chunk_kda's state pass) read and write the rows
+themselves; the portable XLA path gathers the rows before the call and
 scatters the finals after it, with the helpers here.
 """
 

@@ -1,10 +1,20 @@
 """The portable backend: KDA in jax.numpy (KDA_SPEC section 3), float32 inside.
 
-Both forms take their varlen layout from a host-built :class:`LaneSchedule`:
-tokens are gathered into ``[steps, lanes, chunk]`` slots, the chunk-parallel
-work is batched over all slots, and one ``lax.scan`` over steps carries a state
-per lane. The traced program's size depends on the slot grid, never on the
-number of sequences, and it is differentiable by JAX autodiff.
+Both forms take their varlen layout from a lane schedule: tokens are gathered
+into ``[steps, lanes, chunk]`` slots, the chunk-parallel work is batched over
+all slots, and one ``lax.scan`` over steps carries a state per lane. The traced
+program's size depends on the slot grid, never on the number of sequences, and
+it is differentiable by JAX autodiff.
+
+With host bounds the schedule is the host-built :class:`LaneSchedule` (one
+constant; steps = the longest sequence's chunk count). With a bucketed
+:class:`kda_jax.VarlenBatch` the grid must not depend on the bounds, and the
+only grid every bounds of a bucket fits is one lane of ``max_chunks`` steps
+(``max_tokens`` for the token-by-token form): the tables are derived on the
+device from the batch's metadata (no read-back), in chunk-table order. The
+arithmetic is the static form's, but the state pass walks the batch's chunks
+one after another instead of in parallel lanes: ``max_chunks`` sequential
+steps instead of the longest sequence's chunk count.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax import transforms
+from kda_jax.batch import VarlenBatch
 from kda_jax.bounds import LaneSchedule, SeqBounds, lane_schedule
 from kda_jax.options import KdaOptions
 
@@ -48,9 +59,68 @@ def _gather_slots(x, token_index):
 
 
 def _scatter_tokens(y, slot_of_token):
-    """``[S, L, C, ...]`` slots -> ``[T, ...]`` tokens (a gather by each token's slot)."""
+    """``[S, L, C, ...]`` slots -> ``[T, ...]`` tokens (a gather by each token's
+    slot); a token whose slot is out of range (a bucket's padding) gets 0."""
     flat = y.reshape((-1,) + y.shape[3:])
-    return jnp.take(flat, slot_of_token, axis=0, mode="clip")
+    return jnp.take(flat, slot_of_token, axis=0, mode="fill", fill_value=0)
+
+
+def _bucketed_tables(batch: VarlenBatch, chunk_size: int) -> dict[str, jax.Array]:
+    """The :class:`LaneSchedule` tables of a one-lane schedule, from the batch's
+    metadata on the device: slot s holds chunk-table row s (token s when
+    ``chunk_size`` is 1). Padded rows point at the empty sentinel sequence
+    (so hold only padding); token rows past the real end map to no slot."""
+    nb, tb = batch.bucket.max_seqs, batch.bucket.max_tokens
+    cu = batch.table("cu_seqlens")  # [nb + 2]
+    t_real = batch.table("header")[1]
+    i32 = jnp.int32
+    tok = jnp.arange(tb, dtype=i32)
+    live = tok < t_real
+    # The sequence of each token: the last slot starting at or before it
+    # (an empty sequence starts where the next one does, so never wins).
+    seq_of_tok = jnp.searchsorted(cu[: nb + 1], tok, side="right").astype(i32) - 1
+    seq_of_tok = jnp.clip(seq_of_tok, 0, nb)
+    rel = tok - cu[seq_of_tok]
+    nonempty = cu[1 : nb + 1] > cu[:nb]
+    if chunk_size == 1:
+        slots = tb
+        first = live & (rel == 0)
+        ending = live & (tok == cu[seq_of_tok + 1] - 1)
+        token_index = jnp.where(live, tok, tb).reshape(slots, 1, 1)
+        seq_at = seq_of_tok
+        slot_of_token = jnp.where(live, tok, slots)
+        last_slot = jnp.where(nonempty, cu[1 : nb + 1] - 1, slots)
+    else:
+        slots = batch.bucket.max_chunks
+        co = batch.table("chunk_offsets")
+        ct = batch.table("chunk_table")
+        seq_at, j = ct[:, 0], ct[:, 1]
+        start = cu[seq_at] + j * chunk_size
+        rows = start[:, None] + jnp.arange(chunk_size, dtype=i32)[None, :]
+        has = cu[seq_at + 1] > cu[seq_at]
+        first = has & (j == 0)
+        ending = has & (j == co[seq_at + 1] - co[seq_at] - 1)
+        token_index = jnp.where(rows < cu[seq_at + 1][:, None], rows, tb)
+        token_index = token_index.reshape(slots, 1, chunk_size)
+        flat = (co[seq_of_tok] + rel // chunk_size) * chunk_size + rel % chunk_size
+        slot_of_token = jnp.where(live, flat, slots * chunk_size)
+        last_slot = jnp.where(nonempty, co[1 : nb + 1] - 1, slots)
+    column = lambda x: x.reshape(slots, 1)
+    return {
+        "token_index": token_index,
+        "slot_of_token": slot_of_token,
+        "first": column(first.astype(i32)),
+        "seq_of_slot": column(jnp.where(first, seq_at, nb)),
+        "last_slot": last_slot,
+        "seq_ending": column(jnp.where(ending, seq_at, nb)),
+    }
+
+
+def _schedule(bounds, chunk_size: int):
+    """(tables, number of sequence slots) of either varlen form."""
+    if isinstance(bounds, VarlenBatch):
+        return _bucketed_tables(bounds, chunk_size), bounds.bucket.max_seqs
+    return _Tables(lane_schedule(bounds, chunk_size)), bounds.num_seqs
 
 
 def _prepare(q, k, v, g, beta, initial_state, A_log, dt_bias, opts: KdaOptions):
@@ -116,19 +186,19 @@ def _decay_products(x, y, G, *, inclusive):
 
 
 def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-                  opts: KdaOptions, bounds: SeqBounds):
+                  opts: KdaOptions, bounds: SeqBounds | VarlenBatch):
     """Chunked KDA in jax.numpy. Arguments are already validated by the API.
 
     ``bounds`` covers the flattened ``B * T`` tokens (B equal sequences when the
-    call has no cu_seqlens). Returns ``(o [B, T, HV, V] in q.dtype, final | None)``.
+    call has no cu_seqlens), as host bounds or a bucketed batch. Returns
+    ``(o [B, T, HV, V] in q.dtype, final | None)``.
     """
     b, t, _, kd = q.shape
     hv, vd = v.shape[-2:]
     out_dtype = q.dtype
     q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state, A_log, dt_bias, opts)
     scale = opts.scale
-    sched = lane_schedule(bounds, opts.chunk_size)
-    tables = _Tables(sched)
+    tables, n = _schedule(bounds, opts.chunk_size)
     idx = tables["token_index"]
     steps, lanes, c = idx.shape
 
@@ -150,7 +220,7 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     k_tail = k * jnp.exp(G_last - G)
     decay_last = jnp.exp(G_last)[..., 0, :, None]  # [S, L, HV, K, 1]
 
-    h_init = _initial_rows(h0, bounds.num_seqs, hv, kd, vd)
+    h_init = _initial_rows(h0, n, hv, kd, vd)
     first = tables["first"].astype(bool)
     seq_of_slot = tables["seq_of_slot"]
 
@@ -184,16 +254,15 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
 
 
 def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-                            opts: KdaOptions, bounds: SeqBounds):
+                            opts: KdaOptions, bounds: SeqBounds | VarlenBatch):
     """Token-by-token KDA in jax.numpy: one scan step per token of the longest
     sequence, all sequences in parallel lanes. Same contract as chunk_kda_xla."""
     b, t, _, kd = q.shape
     hv, vd = v.shape[-2:]
     out_dtype = q.dtype
-    n = bounds.num_seqs
     q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state, A_log, dt_bias, opts)
     scale = opts.scale
-    tables = _Tables(lane_schedule(bounds, 1))
+    tables, n = _schedule(bounds, 1)
     idx = tables["token_index"]
     steps, lanes, _ = idx.shape
     slots = lambda x: _gather_slots(x, idx)[:, :, 0]

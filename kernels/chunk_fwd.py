@@ -138,6 +138,29 @@ def _products_exact(b_q, b_k, b_G, o_t, n_rows, BT: tl.constexpr):
 
 
 @triton.jit
+def _decay_product(b_a, b_k, b_G, b_last, o_t, n_rows, BT: tl.constexpr, DOT: tl.constexpr):
+    """[BT, BT]: a_i . k_j e^(G_i - G_j) on and below the diagonal (garbage
+    above it, masked by the caller), for one K slice. Anchored on the middle
+    row's G when the slice's gates allow (:func:`_products_anchored`), else
+    column by column with pairwise differences."""
+    b_A = _row_of(b_G, o_t, BT // 2 - 1)
+    b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
+    if b_span <= ANCHOR_SPAN:
+        b_kc = b_k * tl.exp(b_A[None, :] - b_G)
+        b_out = _dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
+    else:
+        b_out = tl.zeros([BT, BT], dtype=tl.float32)
+        for j in range(0, n_rows):
+            b_kj = _row_of(b_k, o_t, j)
+            b_Gj = _row_of(b_G, o_t, j)
+            m_i = o_t[:, None] >= j
+            b_ke = tl.where(m_i, tl.exp(tl.where(m_i, b_G - b_Gj[None, :], 0.)), 0.)
+            b_col = tl.sum(b_a * b_ke * b_kj[None, :], axis=1)
+            b_out += tl.where(o_t[None, :] == j, b_col[:, None], 0.)
+    return b_out
+
+
+@triton.jit
 def _unit_lower_inverse(b_l, o_t, n_rows, BT: tl.constexpr):
     """(I + L)^-1 of a strictly lower [BT, BT] L, in float32 by a column
     sweep: once columns < j are applied, row j of X is final, and column j
@@ -187,9 +210,9 @@ def kda_fwd_prepare_kernel(
         b_sq = _inv_norm(q, rows, m_t, i_h, H, K, BK, BT)
         b_sk = _inv_norm(k, rows, m_t, i_h, H, K, BK, BT)
 
-    # Pass 1 over K slices: the intra-chunk products, q*exp(G)*scale,
-    # k*exp(G_last - G) and exp(G_last).
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    # Pass 1 over K slices: Aqk, q*exp(G)*scale, k*exp(G_last - G) and
+    # exp(G_last). Aqk and Akk get a pass each, so only one [BT, BT]
+    # accumulator is live at a time (registers, not loads, bound this kernel).
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     p_hk = i_hv * K
     for ks in range(0, K, BK):
@@ -200,30 +223,34 @@ def kda_fwd_prepare_kernel(
         b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
         b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
         b_last = _row_of(b_G, o_t, BT - 1)
-        b_A = _row_of(b_G, o_t, BT // 2 - 1)
-        b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
-        if b_span <= ANCHOR_SPAN:
-            d_kk, d_qk = _products_anchored(b_q, b_k, b_G, b_A, DOT_A)
-        else:
-            d_kk, d_qk = _products_exact(b_q, b_k, b_G, o_t, n_rows, BT)
-        b_akk += d_kk
-        b_aqk += d_qk
+        b_aqk += _decay_product(b_q, b_k, b_G, b_last, o_t, n_rows, BT, DOT_A)
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
         tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kt + p_tk, (b_k * tl.exp(b_last[None, :] - b_G)).to(kt.dtype.element_ty),
                  mask=m_tk)
-
-    # Aqk, scaled, zero above the diagonal; L = diag(beta) strict_lower(Akk).
-    m_lower = o_t[:, None] >= o_t[None, :]
-    b_aqk = tl.where(m_lower, b_aqk * SCALE, 0.)
+    # Aqk, scaled, zero above the diagonal.
+    b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk * SCALE, 0.)
     tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
              b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
+
+    # Pass 2: Akk, then X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    for ks in range(0, K, BK):
+        o_k = ks + tl.arange(0, BK)
+        m_k = o_k < K
+        b_G = _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K, USE_GATE,
+                            HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND)
+        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
+        b_last = _row_of(b_G, o_t, BT - 1)
+        b_akk += _decay_product(b_k, b_k, b_G, b_last, o_t, n_rows, BT, DOT_A)
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
     b_x = _unit_lower_inverse(b_l, o_t, n_rows, BT)
+    if DOT_WU == 3:
+        b_x = b_x.to(tl.bfloat16).to(tl.float32)  # rounded once, not per product
 
-    # Pass 2: w = X (beta * k * exp(G)), recomputing G per K slice.
+    # Pass 3: w = X (beta * k * exp(G)), recomputing G per K slice.
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
@@ -234,7 +261,7 @@ def kda_fwd_prepare_kernel(
         tl.store(w + p_tk, _dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
 
-    # Pass 3: u = X (beta * v).
+    # Pass 4: u = X (beta * v).
     for vs in range(0, V, BV):
         o_v = vs + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -245,25 +272,61 @@ def kda_fwd_prepare_kernel(
 
 @triton.jit
 def kda_fwd_state_output_kernel(
-    w, u, qg, kt, aqk, gl, h0, meta, off_cu, off_co,
+    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, n_seqs, n_tokens,
+    slots,
     o, ht,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    INDEXED_STATE: tl.constexpr,
 ):
     """One program per (sequence, value head, V block): the state [BK, BV] stays
-    in registers (float32) while the sequence's chunks go by in order."""
+    in registers (float32) while the sequence's chunks go by in order.
+
+    Programs i_n < n_seqs are sequences. State rows: without INDEXED_STATE
+    sequence n reads h0[n] and writes ht[n]. With INDEXED_STATE (a paged state
+    pool) it reads h0[read_idx[n]] and writes ht[write_idx[n]]; an index
+    outside [0, slots) reads zeros / writes nothing. The pool is passed as h0
+    and aliased to ht, so rows no sequence names keep their contents.
+
+    A program i_n == n_seqs (launched for a bucketed batch only) writes o = 0
+    on the token rows [cu_seqlens[n_seqs], n_tokens): rows past the batch's
+    real end, which belong to no sequence.
+    """
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(meta + off_cu + i_n)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_v = o_v < V
+    if i_n < n_seqs:
+        _state_output_sequence(
+            w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, slots, o, ht,
+            i_n, i_hv, bos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
+            STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE)
+    else:
+        b_zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
+        for t0 in range(bos, n_tokens, BT):
+            rows = t0 + o_t
+            p_v = (rows.to(tl.int64) * HV + i_hv)[:, None] * V + o_v[None, :]
+            tl.store(o + p_v, b_zero, mask=(rows < n_tokens)[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _state_output_sequence(
+    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, slots, o, ht,
+    i_n, i_hv, bos, o_v, o_t, m_v,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    INDEXED_STATE: tl.constexpr,
+):
+    """The state pass and output of sequence i_n (kda_fwd_state_output_kernel's body)."""
     eos = tl.load(meta + off_cu + i_n + 1)
     c0 = tl.load(meta + off_co + i_n)
     n_chunks = tl.cdiv(eos - bos, BT)
 
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
     m_k = o_k < K
-    m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     if STATE_V_FIRST:
         o_s = o_v[None, :] * K + o_k[:, None]
@@ -273,7 +336,15 @@ def kda_fwd_state_output_kernel(
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
-        b_h = tl.load(h0 + p_state + o_s, mask=m_kv, other=0.).to(tl.float32)
+        if INDEXED_STATE:
+            # A branch on the (program-uniform) index, not a mask: a row that
+            # is not read is never touched.
+            i_r = tl.load(read_idx + i_n)
+            if (i_r >= 0) & (i_r < slots):
+                p_h0 = h0 + (i_r.to(tl.int64) * HV + i_hv) * K * V
+                b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
+        else:
+            b_h = tl.load(h0 + p_state + o_s, mask=m_kv, other=0.).to(tl.float32)
 
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
@@ -300,4 +371,10 @@ def kda_fwd_state_output_kernel(
         b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_kt), b_vnd, input_precision="ieee")
 
     if STORE_FINAL_STATE:
-        tl.store(ht + p_state + o_s, b_h, mask=m_kv)
+        if INDEXED_STATE:
+            i_w = tl.load(write_idx + i_n)
+            if (i_w >= 0) & (i_w < slots):
+                p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
+                tl.store(p_ht + o_s, b_h, mask=m_kv)
+        else:
+            tl.store(ht + p_state + o_s, b_h, mask=m_kv)

@@ -12,6 +12,9 @@ Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV]; o [T, HV, V];
   states [rows, HV, K, V] ([rows, HV, V, K] with STATE_V_FIRST), float32.
 Varlen comes from one int32 metadata buffer with cu_seqlens at ``off_cu``.
+Programs i_n < n_seqs are sequences; a program i_n == n_seqs (launched for a
+bucketed batch only) writes o = 0 on the token rows [cu_seqlens[n_seqs],
+n_tokens), which belong to no sequence.
 
 State rows: without INDEXED_STATE sequence n reads h0[n] and writes ht[n].
 With INDEXED_STATE (a paged state pool) it reads h0[read_idx[n]] and writes
@@ -40,9 +43,14 @@ def _softplus(x):
     return tl.where(x > 20., x, tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
 
 
+# Rows zeroed per step by the tail program.
+TAIL_ROWS = tl.constexpr(32)
+
+
 @triton.jit
 def kda_fused_recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
+    q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, n_seqs, n_tokens,
+    slots,
     o, ht,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -53,14 +61,43 @@ def kda_fused_recurrent_kernel(
     STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
 ):
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
     bos = tl.load(meta + off_cu + i_n)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    if i_n < n_seqs:
+        _recurrent_sequence(
+            q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
+            o, ht, i_n, i_hv, bos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM, USE_GATE,
+            HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID, BETA_SCALE,
+            USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE)
+    else:
+        # The tail program of a bucketed batch: o = 0 on rows [bos, n_tokens).
+        o_z = tl.arange(0, TAIL_ROWS)
+        b_zero = tl.zeros([TAIL_ROWS, BV], dtype=o.dtype.element_ty)
+        for t0 in range(bos, n_tokens, TAIL_ROWS):
+            rows = t0 + o_z
+            p_z = (rows.to(tl.int64) * HV + i_hv)[:, None] * V + o_v[None, :]
+            tl.store(o + p_z, b_zero, mask=(rows < n_tokens)[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _recurrent_sequence(
+    q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
+    o, ht, i_n, i_hv, bos, o_v, m_v,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+    USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
+):
+    """Sequence i_n's tokens in order (kda_fused_recurrent_kernel's body)."""
+    i_h = i_hv // (HV // H)
     eos = tl.load(meta + off_cu + i_n + 1)
 
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
-    m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     if STATE_V_FIRST:
         o_s = o_v[None, :] * K + o_k[:, None]

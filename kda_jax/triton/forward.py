@@ -1,4 +1,13 @@
-"""chunk_kda forward through the Triton kernels (two launches)."""
+"""chunk_kda forward through the Triton kernels (two launches).
+
+Varlen metadata comes from either form (:mod:`kda_jax.batch`): host bounds
+(one constant) or a bucketed batch (a runtime buffer; grids from the bucket).
+With a paged state pool (:class:`kda_jax.pool.StatePool`) the state kernel
+reads and writes the pool's rows itself, through the indices: the pool goes in
+as an input aliased to the kernel's state output, so no gather or scatter runs
+around the kernels, and with the pool donated to the caller's jit XLA updates
+it in place.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_jax.bounds import SeqBounds, chunk_table, packed_metadata
+from kda_jax import pool as state_pool
+from kda_jax.batch import kernel_metadata
 from kda_jax.configs import DOT_MODES, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.launch import interpret_mode, kernels, launch
 
 __all__ = ["KernelLaunch", "chunk_kda_triton", "forward_launches", "work_dtype"]
+
+# Position of h0 (the pool, when there is one) among the state kernel's arguments.
+_STATE_H0_ARG = 6
 
 
 def _pow2(n: int) -> int:
@@ -44,19 +57,23 @@ class KernelLaunch:
 
 def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                      config: ForwardConfig, work, has_a_log: bool, has_dt_bias: bool,
-                     has_initial_state: bool) -> tuple[KernelLaunch, KernelLaunch]:
+                     has_initial_state: bool,
+                     indexed_state: bool = False) -> tuple[KernelLaunch, KernelLaunch]:
     """The (prepare, state_output) launches for these shapes, options and
-    config; ``work`` is the intermediates' dtype (:func:`work_dtype`).
+    config; ``work`` is the intermediates' dtype (:func:`work_dtype`);
+    ``indexed_state``: states are read from and written to a pool's rows.
 
     The one place the constexprs are derived: :func:`chunk_kda_triton` launches
     with them and :mod:`kda_jax.aot` compiles with them.
     """
     bt = opts.chunk_size
+    sixteen_bit = jnp.dtype(work).itemsize == 2
     prepare = KernelLaunch(
         kernel="kda_fwd_prepare_kernel",
         constexprs=dict(
             H=h, HV=hv, K=kd, V=vd, BT=bt,
-            BK=min(_pow2(kd), config.prepare_block_k),
+            BK=min(_pow2(kd), config.prepare_block_k if sixteen_bit or config.fp32_block_k is None
+                   else config.fp32_block_k),
             BV=min(_pow2(vd), 64),
             SCALE=float(opts.scale),
             USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
@@ -65,8 +82,8 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             LOWER_BOUND=float(opts.lower_bound if opts.lower_bound is not None else 0.0),
             BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
             BETA_SCALE=2.0 if opts.allow_neg_eigval else 1.0,
-            DOT_A=DOT_MODES.index(config.prepare_dot),
-            DOT_WU=DOT_MODES.index(config.prepare_wu_dot),
+            DOT_A=DOT_MODES.index(config.prepare_dot if sixteen_bit else config.fp32_dot),
+            DOT_WU=DOT_MODES.index(config.prepare_wu_dot if sixteen_bit else config.fp32_dot),
         ),
         num_warps=config.prepare_warps,
         num_stages=config.prepare_stages,
@@ -76,9 +93,10 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         constexprs=dict(
             HV=hv, K=kd, V=vd, BT=bt, BK=_pow2(max(kd, 16)),
             BV=min(_pow2(vd), config.state_block_v),
-            USE_INITIAL_STATE=has_initial_state,
-            STORE_FINAL_STATE=opts.output_final_state,
+            USE_INITIAL_STATE=has_initial_state or indexed_state,
+            STORE_FINAL_STATE=opts.output_final_state or indexed_state,
             STATE_V_FIRST=opts.state_v_first,
+            INDEXED_STATE=indexed_state,
         ),
         num_warps=config.state_warps,
         # With K > 128 the pipelined [BT, K] tiles of w, qg and kt outgrow an
@@ -89,72 +107,94 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
 
 
 def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-                     opts: KdaOptions, bounds: SeqBounds, config: ForwardConfig):
-    """Validated inputs in, ``(o, final_state | None)`` out; see kda_jax.chunk_kda."""
+                     opts: KdaOptions, bounds, config: ForwardConfig,
+                     pool: state_pool.StatePool | None = None):
+    """Validated inputs in; ``(o, final_state | None)`` out, or ``(o, new_cache)``
+    with a pool (then ``initial_state`` is None). ``bounds``: SeqBounds or
+    VarlenBatch (a batch's padded sequence slots already masked in ``pool``).
+    See kda_jax.chunk_kda."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
     bt = opts.chunk_size
-    n = bounds.num_seqs
     tokens = b * t
-    flat = lambda x: x.reshape((tokens,) + x.shape[2:])
-    q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
-    work = work_dtype(q.dtype, interpret=interpret_mode())
-
-    meta = packed_metadata(bounds, bt)
-    meta_dev = jnp.asarray(meta.buffer)  # the one int32 constant of the program
-    n_chunks = chunk_table(bounds, bt).shape[0]
+    f32 = jnp.float32
+    dummy = jnp.zeros((4,), f32)
+    dummy_idx = jnp.zeros((4,), jnp.int32)
+    meta = kernel_metadata(bounds, bt)
+    n = meta.num_seqs
+    indexed = pool is not None
     state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
 
-    if tokens == 0 or n_chunks == 0:
+    # Host bounds with no chunk at all (every sequence empty, so no token).
+    # A bucketed batch always launches: its grids come from the bucket.
+    empty = meta.chunk_programs == 0
+    if empty and not indexed:
         o = jnp.zeros((b, t, hv, vd), q.dtype)
         if not opts.output_final_state:
             return o, None
-        final = jnp.zeros(state_shape, jnp.float32) if initial_state is None else initial_state
-        return o, final.astype(jnp.float32)
+        final = jnp.zeros(state_shape, f32) if initial_state is None else initial_state
+        return o, final.astype(f32)
 
+    work = work_dtype(q.dtype, interpret=interpret_mode())
     mod = kernels("chunk_fwd")
-    f32 = jnp.float32
-    dummy = jnp.zeros((4,), f32)
     prep, state = forward_launches(
         h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
-        has_initial_state=initial_state is not None,
+        has_initial_state=initial_state is not None, indexed_state=indexed,
     )
-    w, u, qg, kt, aqk, gl = launch(
-        getattr(mod, prep.kernel),
-        q, k, v, g, beta,
-        dummy if A_log is None else A_log.astype(f32),
-        dummy if dt_bias is None else dt_bias.astype(f32),
-        meta_dev, meta.offset("cu_seqlens"), meta.offset("chunk_table"),
-        grid=(n_chunks, hv, 1),
-        out_shape=[
-            jax.ShapeDtypeStruct((tokens, hv, kd), work),
-            jax.ShapeDtypeStruct((tokens, hv, vd), work),
-            jax.ShapeDtypeStruct((tokens, hv, kd), work),
-            jax.ShapeDtypeStruct((tokens, hv, kd), work),
-            jax.ShapeDtypeStruct((tokens, hv, bt), work),
-            jax.ShapeDtypeStruct((n_chunks, hv, kd), f32),
-        ],
-        name="kda_fwd_prepare",
-        num_warps=prep.num_warps,
-        num_stages=prep.num_stages,
-        **prep.constexprs,
-    )
+    if empty:
+        # Only the state pass runs (it writes the pool's rows); it reads no
+        # token, so stand-ins keep jax-triton away from empty buffers.
+        w = u = qg = kt = aqk = gl = dummy
+    else:
+        flat = lambda x: x.reshape((tokens,) + x.shape[2:])
+        q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
+        w, u, qg, kt, aqk, gl = launch(
+            getattr(mod, prep.kernel),
+            q, k, v, g, beta,
+            dummy if A_log is None else A_log.astype(f32),
+            dummy if dt_bias is None else dt_bias.astype(f32),
+            meta.buffer, meta.off_cu, meta.off_ct,
+            grid=(meta.chunk_programs, hv, 1),
+            out_shape=[
+                jax.ShapeDtypeStruct((tokens, hv, kd), work),
+                jax.ShapeDtypeStruct((tokens, hv, vd), work),
+                jax.ShapeDtypeStruct((tokens, hv, kd), work),
+                jax.ShapeDtypeStruct((tokens, hv, kd), work),
+                jax.ShapeDtypeStruct((tokens, hv, bt), work),
+                jax.ShapeDtypeStruct((meta.chunk_programs, hv, kd), f32),
+            ],
+            name="kda_fwd_prepare",
+            num_warps=prep.num_warps,
+            num_stages=prep.num_stages,
+            **prep.constexprs,
+        )
 
-    h0 = dummy if initial_state is None else initial_state.astype(f32)
+    if indexed:
+        h0, slots = pool.cache, pool.cache.shape[0]
+        read_idx, write_idx = state_pool.read_index(pool), pool.indices
+        ht_shape = pool.cache.shape
+        aliases = {_STATE_H0_ARG: 1}  # the pool is the state output's buffer
+    else:
+        h0 = dummy if initial_state is None else initial_state.astype(f32)
+        slots, read_idx, write_idx, aliases = 0, dummy_idx, dummy_idx, None
+        ht_shape = state_shape if opts.output_final_state else (4,)
     o, ht = launch(
         getattr(mod, state.kernel),
-        w, u, qg, kt, aqk, gl, h0,
-        meta_dev, meta.offset("cu_seqlens"), meta.offset("chunk_offsets"),
-        grid=(n, hv, -(-vd // state.constexprs["BV"])),
+        w, u, qg, kt, aqk, gl, h0, read_idx, write_idx,
+        meta.buffer, meta.off_cu, meta.off_co, n, tokens, slots,
+        grid=(meta.seq_programs, hv, -(-vd // state.constexprs["BV"])),
         out_shape=[
-            jax.ShapeDtypeStruct((tokens, hv, vd), q.dtype),
-            jax.ShapeDtypeStruct(state_shape if opts.output_final_state else (4,), f32),
+            jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), q.dtype),
+            jax.ShapeDtypeStruct(ht_shape, f32),
         ],
         name="kda_fwd_state_output",
         num_warps=state.num_warps,
         num_stages=state.num_stages,
+        input_output_aliases=aliases,
         **state.constexprs,
     )
-    o = o.reshape(b, t, hv, vd)
+    o = o.reshape(b, t, hv, vd) if tokens else jnp.zeros((b, t, hv, vd), q.dtype)
+    if indexed:
+        return o, ht
     return o, (ht if opts.output_final_state else None)

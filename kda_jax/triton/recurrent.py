@@ -5,7 +5,7 @@ Without a pool the kernel reads ``initial_state[n]`` and writes
 writes the pool's rows itself, through the indices: the pool goes in as an
 input aliased to the kernel's state output, so no gather or scatter runs
 around the kernel, and with the pool donated to the caller's jit XLA updates
-it in place.
+it in place. Varlen metadata comes from either form (:mod:`kda_jax.batch`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kda_jax import pool as state_pool
-from kda_jax.bounds import SeqBounds, packed_metadata
+from kda_jax.batch import kernel_metadata
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.launch import kernels, launch
@@ -57,21 +57,22 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
 
 
 def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-                               opts: KdaOptions, bounds: SeqBounds, config: RecurrentConfig,
+                               opts: KdaOptions, bounds, config: RecurrentConfig,
                                pool: state_pool.StatePool | None = None):
     """Validated inputs in; ``(o, final_state | None)`` out, or ``(o, new_cache)``
-    with a pool (then ``initial_state`` is None). See kda_jax.fused_recurrent_kda."""
+    with a pool (then ``initial_state`` is None). ``bounds``: SeqBounds or
+    VarlenBatch (a batch's padded sequence slots already masked in ``pool``).
+    See kda_jax.fused_recurrent_kda."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
-    n = bounds.num_seqs
     tokens = b * t
     out_dtype = q.dtype
     f32 = jnp.float32
     dummy = jnp.zeros((4,), f32)
     dummy_idx = jnp.zeros((4,), jnp.int32)
 
-    meta = packed_metadata(bounds, _META_CHUNK)
-    meta_dev = jnp.asarray(meta.buffer)  # the one int32 constant of the program
+    meta = kernel_metadata(bounds, _META_CHUNK)
+    n = meta.num_seqs
 
     if tokens == 0:
         # Every sequence is empty: no token row is touched, but states still
@@ -105,8 +106,8 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
         dummy if A_log is None else A_log.astype(f32),
         dummy if dt_bias is None else dt_bias.astype(f32),
         h0, read_idx, write_idx,
-        meta_dev, meta.offset("cu_seqlens"), slots,
-        grid=(n, hv, -(-vd // consts["BV"])),
+        meta.buffer, meta.off_cu, n, tokens, slots,
+        grid=(meta.seq_programs, hv, -(-vd // consts["BV"])),
         out_shape=[
             jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), out_dtype),
             jax.ShapeDtypeStruct(ht_shape, f32),

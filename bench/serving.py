@@ -1,0 +1,291 @@
+"""The serving step with new bounds on every call: kda_jax (bucketed, static) against fla.
+
+    python -m bench.serving [--json PATH] [--sets 128] [--static-sets 16] [--no-fla]
+
+Mixed step: 12 one-token decodes plus prefills of 1100, 1300 and 900 tokens
+(kda_jax.testing.SERVING_LENGTHS), H = 32, K = V = 128, bf16 q/k/v; call i
+takes bound set i % --sets (the lengths permuted, prefills moved by up to 64
+tokens: one bucket). Rows: kda_jax's bucketed form with a state pool and with
+initial/final states, its static form (one compile per new bounds, reported
+separately; steady state over --static-sets precompiled sets), and fla's
+chunk_kda with device cu_seqlens and with cu_seqlens_cpu. Decode-only steps:
+256 and 1024 one-token sequences, kda_jax's fused_recurrent_kda (bucketed with
+a pool; static, dense) against fla's fused_recurrent_kda.
+
+Times are wall-clock per step as the host sees it (host metadata build and
+transfer included), the median of --repeats loops of --iters calls.
+kda_jax's steps run under transfer_guard_device_to_host("disallow"): a
+device-to-host read raises, so "0" in the d2h column is checked, not assumed.
+fla's column counts its synchronizing calls per step (torch's sync debug mode).
+fla runs in a child process (``--fla-child``): torch's Triton and jax-triton
+clash in one process (see bench.fla_peer). GPU only; CPU timings are not results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from bench.inputs import make, serving_length_sets
+
+DECODE_SIZES = (256, 1024)
+
+
+def wall_ms(call, sync, iters, repeats):
+    """Median ms per ``call(i)`` over ``repeats`` loops of ``iters`` calls."""
+    for i in range(2):
+        call(i)
+    sync()
+    samples = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        for i in range(iters):
+            call(r * iters + i)
+        sync()
+        samples.append((time.perf_counter() - start) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def _pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# --------------------------------------------------------------------------- #
+# kda_jax (this process).
+# --------------------------------------------------------------------------- #
+
+
+def kda_rows(a, sets):
+    import jax
+    import jax.numpy as jnp
+
+    import kda_jax
+    from kda_jax import bounds as host_bounds
+
+    h, d, impl, rows = a.heads, a.head_dim, a.kda_impl, []
+    bucket = kda_jax.Bucket(_pow2(max(map(len, sets))), _pow2(max(map(sum, sets))))
+    arrays = make(1, bucket.max_tokens, h, d, d)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in arrays[:3])
+    g, beta = (jnp.asarray(x) for x in arrays[3:])
+    nb = bucket.max_seqs
+    pool0 = jnp.zeros((4 * nb, h, d, d), jnp.float32)  # slots: rows for 4 steps' requests
+    h0 = jnp.zeros((nb, h, d, d), jnp.float32)
+
+    def run(name, call, sync, step, **extra):
+        try:
+            with jax.transfer_guard_device_to_host("disallow"):
+                ms = wall_ms(call, sync, a.iters, a.repeats)
+            rows.append(dict(step=step, implementation=name, ms=ms, d2h_per_step=0, **extra))
+        except Exception as e:  # noqa: BLE001 - a failed row is recorded, not fatal
+            rows.append(dict(step=step, implementation=name, ms=None,
+                             error=f"{type(e).__name__}: {str(e)[:300]}", **extra))
+
+    # Host cost of one batch (uncached: new bounds every step).
+    start = time.perf_counter()
+    for lens in sets:
+        host_bounds.chunk_table.cache_clear(), host_bounds.chunk_offsets.cache_clear()
+        kda_jax.VarlenBatch.from_lengths(lens, bucket)
+    build_us = (time.perf_counter() - start) * 1e6 / len(sets)
+    batch_of = lambda i: jax.device_put(kda_jax.VarlenBatch.from_lengths(sets[i % len(sets)],
+                                                                         bucket))
+    step = f"mixed N={len(sets[0])} T~{sum(sets[0])}"
+
+    # Bucketed, with the pool (donated) and with initial/final states.
+    x = (q, k, v, g, beta)
+    idx = jnp.asarray(np.r_[np.arange(len(sets[0])), -np.ones(nb - len(sets[0]))], jnp.int32)
+    pooled = jax.jit(lambda pool, batch, *x: kda_jax.chunk_kda(
+        *x, cu_seqlens=batch, state_cache=pool, state_indices=idx, implementation=impl),
+        donate_argnums=0)
+    plain = jax.jit(lambda batch, h0, *x: kda_jax.chunk_kda(
+        *x, cu_seqlens=batch, initial_state=h0, output_final_state=True, implementation=impl))
+    state = {"pool": pool0.copy()}
+
+    def call_pooled(i):
+        state["o"], state["pool"] = pooled(state["pool"], batch_of(i), *x)
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(plain(batch_of(0), h0, *x))
+    compile_s = time.perf_counter() - t0
+    run(f"kda_jax {impl} bucketed + pool", call_pooled,
+        lambda: jax.block_until_ready(state["pool"]), step, host_build_us=build_us,
+        bucket=str(bucket))
+    run(f"kda_jax {impl} bucketed", lambda i: state.update(out=plain(batch_of(i), h0, *x)),
+        lambda: jax.block_until_ready(state["out"]), step, compile_s=compile_s,
+        compiles=plain._cache_size(), bucket=str(bucket))
+
+    # Static: one trace and compile per new bounds.
+    @functools.partial(jax.jit, static_argnames="bounds")
+    def static(h0, q, k, v, g, beta, bounds):
+        t, n = bounds.total_tokens, bounds.num_seqs
+        return kda_jax.chunk_kda(q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t],
+                                 cu_seqlens=bounds, initial_state=h0[:n],
+                                 output_final_state=True, implementation=impl)
+
+    static_bounds = [kda_jax.SeqBounds.from_lengths(s) for s in sets[: a.static_sets]]
+    t0 = time.perf_counter()
+    for b in static_bounds:
+        jax.block_until_ready(static(h0, *x, bounds=b))
+    compile_s = (time.perf_counter() - t0) / len(static_bounds)
+    run(f"kda_jax {impl} static (precompiled)",
+        lambda i: state.update(out=static(h0, *x, bounds=static_bounds[i % len(static_bounds)])),
+        lambda: jax.block_until_ready(state["out"]), step, compile_s=compile_s,
+        compiles=static._cache_size(), sets=len(static_bounds))
+
+    # Decode only: one token per sequence, packed [1, N] (bucketed) or dense [N, 1].
+    decode = jax.jit(lambda pool, batch, idx, *x: kda_jax.fused_recurrent_kda(
+        *x, cu_seqlens=batch, state_cache=pool, state_indices=idx, implementation=impl),
+        donate_argnums=0)
+    dense = jax.jit(lambda h0, *x: kda_jax.fused_recurrent_kda(
+        *(y.reshape((y.shape[1], 1) + y.shape[2:]) for y in x), initial_state=h0,
+        output_final_state=True, implementation=impl))
+    for n in DECODE_SIZES:
+        arrays = make(1, n, h, d, d, seed=1)
+        dx = tuple(jnp.asarray(y, jnp.bfloat16 if i < 3 else jnp.float32)
+                   for i, y in enumerate(arrays))
+        dbucket, ones = kda_jax.Bucket(n, n), [1] * n
+        didx, dh0 = jnp.arange(n, dtype=jnp.int32), jnp.zeros((n, h, d, d), jnp.float32)
+        dstate = {"pool": jnp.zeros((n, h, d, d), jnp.float32)}
+
+        def call_decode(i, dx=dx, dstate=dstate, dbucket=dbucket, ones=ones, didx=didx):
+            batch = jax.device_put(kda_jax.VarlenBatch.from_lengths(ones, dbucket))
+            dstate["o"], dstate["pool"] = decode(dstate["pool"], batch, didx, *dx)
+
+        sync = lambda dstate=dstate: jax.block_until_ready(dstate["pool"])
+        run(f"kda_jax {impl} fused_recurrent bucketed + pool", call_decode, sync,
+            f"decode N={n}")
+        run(f"kda_jax {impl} fused_recurrent dense B={n}",
+            lambda i, dx=dx, dh0=dh0, dstate=dstate: dstate.update(pool=dense(dh0, *dx)[1]),
+            sync, f"decode N={n}")
+    return rows
+
+
+# --------------------------------------------------------------------------- #
+# fla (child process: torch only, no JAX).
+# --------------------------------------------------------------------------- #
+
+
+def fla_child(spec):
+    import inspect
+    import warnings
+
+    import torch
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    sets, h, d, iters, repeats = (spec[x] for x in ("sets", "heads", "head_dim", "iters",
+                                                    "repeats"))
+    cuda = lambda x, dt=None: torch.tensor(x, device="cuda", dtype=dt)
+    arrays = make(1, max(map(sum, sets)), h, d, d)
+    q, k, v = (cuda(x, torch.bfloat16) for x in arrays[:3])
+    g, beta = (cuda(x) for x in arrays[3:])
+    h0 = torch.zeros((max(map(len, sets)), h, d, d), device="cuda")
+    sync = torch.cuda.synchronize
+    rows, has_cpu = [], "cu_seqlens_cpu" in inspect.signature(chunk_kda).parameters
+
+    def mixed(with_cpu):
+        def call(i):
+            lens = sets[i % len(sets)]
+            cu = torch.tensor(np.r_[0, np.cumsum(lens)], dtype=torch.long).pin_memory()
+            kw = dict(cu_seqlens=cu.to("cuda", non_blocking=True))
+            if with_cpu:
+                kw["cu_seqlens_cpu"] = cu
+            t = int(sum(lens))
+            chunk_kda(q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t],
+                      initial_state=h0[: len(lens)], output_final_state=True, **kw)
+        return call
+
+    def syncs(call):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call(0)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+    step = f"mixed N={len(sets[0])} T~{sum(sets[0])}"
+    for name, with_cpu in (("fla chunk_kda, device cu_seqlens", False),
+                           ("fla chunk_kda, + cu_seqlens_cpu", True)):
+        if with_cpu and not has_cpu:
+            rows.append(dict(step=step, implementation=name, ms=None,
+                             error="this fla's chunk_kda has no cu_seqlens_cpu"))
+            continue
+        call = mixed(with_cpu)
+        rows.append(dict(step=step, implementation=name, ms=wall_ms(call, sync, iters, repeats),
+                         syncs_per_step=syncs(call)))
+    for n in DECODE_SIZES:
+        dq, dk, dv = (cuda(x, torch.bfloat16).reshape(n, 1, h, d) for x in make(1, n, h, d, d, 1)[:3])
+        dg, db = (cuda(x).reshape((n, 1) + x.shape[2:]) for x in make(1, n, h, d, d, 1)[3:])
+        dh0 = torch.zeros((n, h, d, d), device="cuda")
+        call = lambda i: fused_recurrent_kda(dq, dk, dv, dg, db, initial_state=dh0,
+                                             output_final_state=True)
+        rows.append(dict(step=f"decode N={n}", implementation=f"fla fused_recurrent dense B={n}",
+                         ms=wall_ms(call, sync, iters, repeats), syncs_per_step=syncs(call)))
+    print(json.dumps({"rows": rows, "torch": torch.__version__,
+                      "fla": getattr(__import__("fla"), "__version__", "?")}))
+
+
+def fla_rows(a, sets):
+    spec = dict(sets=sets, heads=a.heads, head_dim=a.head_dim, iters=a.iters, repeats=a.repeats)
+    proc = subprocess.run([sys.executable, "-m", "bench.serving", "--fla-child", json.dumps(spec)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"  fla failed: {proc.stderr.strip()[-600:]}", file=sys.stderr)
+        return [dict(step="all", implementation="fla", ms=None,
+                     error=proc.stderr.strip()[-300:])], {}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["rows"], {"torch": out["torch"], "fla": out["fla"]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None)
+    p.add_argument("--sets", type=int, default=128, help="rotating bound sets")
+    p.add_argument("--static-sets", type=int, default=16, help="sets the static form compiles")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kda-impl", default="triton", choices=("triton", "xla"))
+    p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--fla-child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.fla_child is not None:
+        return fla_child(json.loads(a.fla_child))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX starts
+    from bench.timing import versions
+    from kda_jax.testing import SERVING_LENGTHS
+
+    sets = serving_length_sets(SERVING_LENGTHS, a.sets)
+    fla, fla_versions = ([], {}) if a.no_fla else fla_rows(a, sets)
+    rows = kda_rows(a, sets) + fla
+    meta = dict(versions(), **fla_versions, heads=a.heads, head_dim=a.head_dim, dtype="bfloat16",
+                sets=a.sets, iters=a.iters, repeats=a.repeats,
+                command="python -m bench.serving " + " ".join(
+                    argv if argv is not None else sys.argv[1:]))
+    print(f"{'step':<22} {'implementation':<44} {'ms/step':>9} {'compile s':>10} {'d2h/step':>9}")
+    for r in rows:
+        ms = f"{r['ms']:.3f}" if r.get("ms") is not None else "-"
+        comp = f"{r['compile_s']:.2f}" if r.get("compile_s") is not None else ""
+        d2h = r.get("d2h_per_step", r.get("syncs_per_step", ""))
+        note = f"  ({r['error']})" if r.get("error") else ""
+        print(f"{r['step']:<22} {r['implementation']:<44} {ms:>9} {comp:>10} {d2h!s:>9}{note}")
+    print("d2h/step: kda_jax device-to-host reads (checked: the steps run with them disallowed); "
+          "fla: synchronizing calls torch reports per step")
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump([dict(r, **meta) for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Gradients of chunk_kda's Triton path: a jax.custom_vjp around the forward.
+
+The forward is :func:`kda_jax.triton.forward.chunk_kda_triton` (the input
+transforms in-kernel); its residuals are the raw inputs only (q, k, v, g,
+beta, initial_state, A_log, dt_bias): every intermediate is recomputed. The
+backward
+
+1. recomputes the transformed inputs in JAX under ``jax.vjp`` (L2 norm, gate,
+   beta sigmoid / negative eigenvalues: elementwise and cheap),
+2. runs the six kernels of ``kda_jax.kernels.chunk_bwd`` on them (transforms
+   off): recompute, state pass, reverse state pass, then per chunk the state
+   terms, the terms through X = (I + L)^-1, and the intra-chunk products,
+3. sums dq and dk over each GVA group (the kernels work per value head) and
+   chains everything through the transforms' vjp.
+
+The varlen metadata is the forward's host-built int32 constant; nothing is
+read back from the device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kda_jax import configs, transforms
+from kda_jax.bounds import SeqBounds, chunk_table, packed_metadata
+from kda_jax.configs import DOT_MODES, BackwardConfig, ForwardConfig
+from kda_jax.options import KdaOptions
+from kda_jax.triton.forward import KernelLaunch, chunk_kda_triton, work_dtype
+from kda_jax.triton.launch import interpret_mode, kernels, launch
+
+__all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward"]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
+                      config: BackwardConfig, has_initial_state: bool,
+                      has_final_grad: bool) -> dict[str, KernelLaunch]:
+    """The six launches of the backward for these shapes, options and config,
+    by kernel name (in launch order). The one place their constexprs are
+    derived: :func:`core_backward` launches with them, :mod:`kda_jax.aot`
+    compiles with them."""
+    bt = opts.chunk_size
+    bk_state = _pow2(max(kd, 16))
+    bv_state = min(_pow2(max(vd, 16)), config.state_block_v)
+    # Past K = 128 the pipelined [BT, K] tiles outgrow shared memory (as forward).
+    state_stages = config.state_stages if bk_state <= 128 else 1
+    block = lambda n, cap: min(_pow2(max(n, 16)), cap)
+    dot_a = DOT_MODES.index(config.product_dot)
+    common = dict(HV=hv, K=kd, V=vd, BT=bt)
+    launches = [
+        KernelLaunch("kda_bwd_prepare_kernel", dict(
+            H=h, **common, BK=block(kd, config.prepare_block_k), BV=block(vd, 64),
+            SCALE=float(opts.scale), DOT_A=DOT_MODES.index(config.prepare_dot),
+            DOT_WU=DOT_MODES.index(config.prepare_wu_dot)),
+            config.prepare_warps, config.prepare_stages),
+        KernelLaunch("kda_bwd_state_kernel", dict(
+            **common, BK=bk_state, BV=bv_state, USE_INITIAL_STATE=has_initial_state,
+            STATE_V_FIRST=opts.state_v_first), config.state_warps, state_stages),
+        KernelLaunch("kda_bwd_dstate_kernel", dict(
+            **common, BK=bk_state, BV=bv_state, USE_FINAL_GRAD=has_final_grad,
+            STORE_INITIAL_GRAD=has_initial_state, STATE_V_FIRST=opts.state_v_first),
+            config.state_warps, state_stages),
+        KernelLaunch("kda_bwd_inter_kernel", dict(
+            H=h, **common, BK=block(kd, config.inter_block_k),
+            BV=block(vd, config.inter_block_v), SCALE=float(opts.scale)),
+            config.inter_warps, 1),
+        KernelLaunch("kda_bwd_wy_kernel", dict(
+            H=h, **common, BK=block(kd, config.wy_block_k), BV=block(vd, config.wy_block_v),
+            SCALE=float(opts.scale), DOT_X=DOT_MODES.index(config.wy_dot)),
+            config.wy_warps, 1),
+        KernelLaunch("kda_bwd_intra_kernel", dict(
+            H=h, HV=hv, K=kd, BT=bt, BK=block(kd, config.intra_block_k), DOT_A=dot_a),
+            config.intra_warps, 1),
+    ]
+    return {launch_.kernel: launch_ for launch_ in launches}
+
+
+def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
+                  bounds: SeqBounds, config: BackwardConfig):
+    """The gradients of the core recurrence (no input transforms).
+
+    Args (tokens packed along T, any float dtype unless said):
+      q, k ``[T, H, K]``; v ``[T, HV, V]``; g ``[T, HV, K]`` log-decay;
+      beta ``[T, HV]``; initial_state float32 in the state layout, or None;
+      do ``[T, HV, V]`` the output's cotangent; dht the final state's
+      cotangent (state layout, float32) or None.
+
+    Returns float32 ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[T, HV, K]``
+    per value head (not yet summed over a GVA group), dv ``[T, HV, V]``,
+    dg ``[T, HV, K]``, dbeta ``[T, HV]``, dh0 like initial_state or None.
+    """
+    tokens, h, kd = q.shape
+    hv, vd = v.shape[-2:]
+    bt = opts.chunk_size
+    n = bounds.num_seqs
+    f32 = jnp.float32
+    work = work_dtype(q.dtype, interpret=interpret_mode())
+    meta = packed_metadata(bounds, bt)
+    n_chunks = chunk_table(bounds, bt).shape[0]
+    state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
+    if tokens == 0 or n_chunks == 0:
+        zeros = lambda *s: jnp.zeros(s, f32)
+        dh0 = None
+        if initial_state is not None:
+            dh0 = zeros(*state_shape) if dht is None else dht.astype(f32)
+        return (zeros(tokens, hv, kd), zeros(tokens, hv, kd), zeros(tokens, hv, vd),
+                zeros(tokens, hv, kd), zeros(tokens, hv), dh0)
+
+    mod = kernels("chunk_bwd")
+    meta_dev = jnp.asarray(meta.buffer)
+    off_cu, off_co, off_ct = (meta.offset(x) for x in ("cu_seqlens", "chunk_offsets",
+                                                       "chunk_table"))
+    dummy = jnp.zeros((4,), f32)
+    L = backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
+                          has_initial_state=initial_state is not None,
+                          has_final_grad=dht is not None)
+    sds = jax.ShapeDtypeStruct
+
+    def run(name, *args, grid, out_shape):
+        spec = L[name]
+        return launch(getattr(mod, name), *args, grid=grid, out_shape=out_shape, name=name,
+                      num_warps=spec.num_warps, num_stages=spec.num_stages, **spec.constexprs)
+
+    tk_shape, tv_shape = (tokens, hv, kd), (tokens, hv, vd)
+    w, u, qg, kt, aqk, gl, x = run(
+        "kda_bwd_prepare_kernel", q, k, v, g, beta, meta_dev, off_cu, off_ct,
+        grid=(n_chunks, hv, 1),
+        out_shape=[sds(tk_shape, work), sds(tv_shape, work), sds(tk_shape, work),
+                   sds(tk_shape, work), sds((tokens, hv, bt), work),
+                   sds((n_chunks, hv, kd), f32), sds((tokens, hv, bt), f32)])
+
+    n_v = -(-vd // L["kda_bwd_state_kernel"].constexprs["BV"])
+    h0 = dummy if initial_state is None else initial_state.astype(f32)
+    hs, vn = run(
+        "kda_bwd_state_kernel", w, u, kt, gl, h0, meta_dev, off_cu, off_co,
+        grid=(n, hv, n_v),
+        out_shape=[sds((n_chunks, hv, kd, vd), f32), sds(tv_shape, work)])
+
+    dht_in = dummy if dht is None else dht.astype(f32)
+    dhs, dvn, dh0 = run(
+        "kda_bwd_dstate_kernel", qg, kt, w, aqk, gl, do, dht_in, meta_dev, off_cu, off_co,
+        grid=(n, hv, n_v),
+        out_shape=[sds((n_chunks, hv, kd, vd), f32), sds(tv_shape, work),
+                   sds(state_shape if initial_state is not None else (4,), f32)])
+
+    n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
+    dq_p, dk_p, dg_p, dw = run(
+        "kda_bwd_inter_kernel", q, k, g, hs, dhs, vn, dvn, do, meta_dev, off_cu, off_ct,
+        grid=(n_chunks, hv, n_k), out_shape=[sds(tk_shape, f32)] * 4)
+
+    tt_shape = (tokens, hv, bt)
+    dv, dk_w, dg_w, dl, daqk, dbeta = run(
+        "kda_bwd_wy_kernel", k, v, g, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw,
+        meta_dev, off_cu, off_ct,
+        grid=(n_chunks, hv, 1),
+        out_shape=[sds(tv_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
+                   sds(tt_shape, f32), sds(tt_shape, f32), sds((tokens, hv), f32)])
+
+    n_k = -(-kd // L["kda_bwd_intra_kernel"].constexprs["BK"])
+    dq, dk, dg, dbeta_k = run(
+        "kda_bwd_intra_kernel", q, k, g, beta, dl, daqk, dq_p, dk_w, dg_w,
+        meta_dev, off_cu, off_ct,
+        grid=(n_chunks, hv, n_k),
+        out_shape=[sds(tk_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
+                   sds((tokens, hv, n_k), f32)])
+    dbeta = dbeta + jnp.sum(dbeta_k, axis=-1)
+    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
+
+
+def _transform(opts: KdaOptions):
+    """The enabled input transforms as one function of (q, k, g, beta, A_log,
+    dt_bias); inputs without a transform pass through in their own dtype."""
+
+    def fn(q, k, g, beta, A_log, dt_bias):
+        if opts.use_qk_l2norm_in_kernel:
+            q, k = transforms.l2norm(q), transforms.l2norm(k)
+        if opts.use_gate_in_kernel:
+            g = transforms.gate(g, A_log, dt_bias, opts.lower_bound)
+        if opts.use_beta_sigmoid_in_kernel or opts.allow_neg_eigval:
+            beta = transforms.beta_transform(beta, opts.use_beta_sigmoid_in_kernel,
+                                             opts.allow_neg_eigval)
+        return q, k, g, beta
+
+    return fn
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _chunk_kda(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
+               bwd_config):
+    return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
+                            bounds=bounds, config=config)
+
+
+def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, bwd_config):
+    out = chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
+                           bounds=bounds, config=config)
+    return out, (q, k, v, g, beta, initial_state, A_log, dt_bias)
+
+
+def _bwd(opts, bounds, config, bwd_config, residuals, cotangents):
+    q, k, v, g, beta, initial_state, A_log, dt_bias = residuals
+    do, dht = cotangents
+    b, t, h, kd = q.shape
+    hv, vd = v.shape[-2:]
+    tokens = b * t
+    flat = lambda x: x.reshape((tokens,) + x.shape[2:])
+
+    (tq, tk, tg, tb), transform_vjp = jax.vjp(_transform(opts), flat(q), flat(k), flat(g),
+                                              flat(beta), A_log, dt_bias)
+    dq, dk, dv, dg, dbeta, dh0 = core_backward(
+        tq, tk, flat(v), tg, tb, initial_state, flat(do), dht, opts=opts, bounds=bounds,
+        config=bwd_config)
+    # A value head's q/k gradient belongs to its group's q/k head.
+    group = lambda x: x.reshape(tokens, h, hv // h, kd).sum(axis=2)
+    dq, dk = group(dq), group(dk)
+    dq, dk, dg, dbeta, dA_log, ddt_bias = transform_vjp(
+        (dq.astype(tq.dtype), dk.astype(tk.dtype), dg.astype(tg.dtype), dbeta.astype(tb.dtype)))
+    unflat = lambda x, like: x.reshape(like.shape).astype(like.dtype)
+    grads = (unflat(dq, q), unflat(dk, k), unflat(dv, v), unflat(dg, g), unflat(dbeta, beta),
+             None if initial_state is None else dh0.astype(initial_state.dtype),
+             None if A_log is None else dA_log.astype(A_log.dtype),
+             None if dt_bias is None else ddt_bias.astype(dt_bias.dtype))
+    return grads
+
+
+_chunk_kda.defvjp(_fwd, _bwd)
+
+
+def chunk_kda_triton_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
+                          opts: KdaOptions, bounds: SeqBounds, config: ForwardConfig,
+                          bwd_config: BackwardConfig | None = None):
+    """:func:`kda_jax.triton.forward.chunk_kda_triton` made differentiable
+    (same arguments and result), with gradients for q, k, v, g, beta,
+    initial_state, A_log and dt_bias. ``bwd_config`` defaults to the current
+    arch's :func:`kda_jax.configs.backward_config` (read at trace time)."""
+    if bwd_config is None:
+        bwd_config = configs.backward_config()
+    return _chunk_kda(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
+                      bwd_config)

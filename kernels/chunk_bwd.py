@@ -1,0 +1,497 @@
+"""Chunked KDA backward in six kernels (KDA_SPEC sections 3 and 4).
+
+The kernels see the *transformed* inputs (L2 norm, gate and beta transforms
+are applied and differentiated in JAX by the caller, kda_jax.triton.backward):
+q, k [T, H, K]; v [T, HV, V]; g [T, HV, K] the log-decay; beta [T, HV].
+Per chunk, with G the chunk-local cumsum of g, L = diag(beta) strict_lower(Akk),
+X = (I + L)^-1, B = beta k e^G, w = X B, u = X (beta v):
+
+  v_new = u - w h,  o = qg h + Aqk v_new,  h' = gl h + kt^T v_new
+  (qg = scale q e^G, kt = k e^(G_last - G), gl = e^(G_last)).
+
+With dS the cotangent of a chunk's end state (dS of the last chunk = the
+final state's cotangent), the backward is
+
+  dv_new = Aqk^T do + kt dS,     dh = gl dS + qg^T do - w^T dv_new
+  dqg = do h^T,  dw = -dv_new h^T,  dkt = v_new dS^T,  dgl = sum_V(dS h)
+  dAqk = do v_new^T (lower),  M = dw w^T + dv_new u^T,  dL = -X^T M (strictly lower)
+  dB = X^T dw,  d(beta v) = X^T dv_new,  dAkk = beta dL,
+  then the products Akk, Aqk back to q, k, G, and dg = reverse cumsum of dG.
+
+Kernels, in launch order (all recompute from the inputs; nothing is kept from
+the forward):
+  kda_bwd_prepare_kernel  grid (chunks, HV): w, u, qg, kt, Aqk, gl and X.
+  kda_bwd_state_kernel    grid (sequences, HV, V blocks): h per chunk, v_new.
+  kda_bwd_dstate_kernel   grid (sequences, HV, V blocks): walks chunks in
+                          reverse: dS per chunk, dv_new, the initial state's
+                          gradient.
+  kda_bwd_inter_kernel    grid (chunks, HV, K blocks): the state terms dqg,
+                          dw, dkt, dgl, turned into partial dq, dk, dG.
+  kda_bwd_wy_kernel       grid (chunks, HV): everything that needs X: dv,
+                          dbeta's WY terms, B's terms of dk and dG, and
+                          dL = -X^T M (the inverse's backward).
+  kda_bwd_intra_kernel    grid (chunks, HV, K blocks): the intra-chunk
+                          products back to dq, dk, dG; dg = reverse cumsum.
+
+Layouts: h, dS [NC, HV, K, V] fp32 (K first, whatever the state layout);
+v_new, dv_new [T, HV, V] and w, qg, kt, aqk as the forward's (work dtype);
+X, dL and scale * dAqk [T, HV, BT] fp32; partial dq, dk, dG and dw
+[T, HV, K] fp32. dq and dk are per value head (the caller sums a GVA group);
+dbeta comes in two parts (the wy kernel's [T, HV] and the intra kernel's
+[T, HV, NK]) that the caller adds. Varlen metadata as chunk_fwd.
+
+Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
+have exponents <= 0, and the products' backward anchors on the chunk's middle
+row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback.
+"""
+
+import triton
+import triton.language as tl
+
+from .chunk_fwd import (ANCHOR_SPAN, _chunk_cumsum, _dot, _products_anchored,
+                        _products_exact, _row_of, _tile, _unit_lower_inverse)
+
+
+@triton.jit
+def _chunk_of(meta, off_cu, off_ct, i_c, BT: tl.constexpr):
+    """(first row, rows in the chunk) of chunk-table entry i_c."""
+    i_n = tl.load(meta + off_ct + 2 * i_c)
+    i_j = tl.load(meta + off_ct + 2 * i_c + 1)
+    bos = tl.load(meta + off_cu + i_n)
+    eos = tl.load(meta + off_cu + i_n + 1)
+    t0 = bos + i_j * BT
+    return t0, tl.minimum(eos - t0, BT)
+
+
+@triton.jit
+def _decay(g, rows, m_t, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
+    """G [BT, BK]: chunk-local cumsum of the (already transformed) log-decay."""
+    return _chunk_cumsum(g, g, g, rows, m_t, i_hv, o_k, m_k, HV, K, False, False, False,
+                         False, 0.)
+
+
+@triton.jit
+def _col_of(b_x, o_t, j):
+    """Column j of a [BT, BT] tile as a [BT] vector."""
+    return tl.sum(tl.where(o_t[None, :] == j, b_x, 0.), axis=1)
+
+
+@triton.jit
+def kda_bwd_prepare_kernel(
+    q, k, v, g, beta, meta, off_cu, off_ct,
+    w, u, qg, kt, aqk, gl, x,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+    DOT_A: tl.constexpr, DOT_WU: tl.constexpr,
+):
+    """The forward's per-chunk quantities, recomputed, plus X = (I + L)^-1
+    (fp32, [T, HV, BT]) for the backward of the WY transform."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = o_t < n_rows
+    r64 = rows.to(tl.int64)
+    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for ks in range(0, K, BK):
+        o_k = ks + tl.arange(0, BK)
+        m_k = o_k < K
+        b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+        b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
+        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
+        b_last = _row_of(b_G, o_t, BT - 1)
+        b_A = _row_of(b_G, o_t, BT // 2 - 1)
+        b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
+        if b_span <= ANCHOR_SPAN:
+            d_kk, d_qk = _products_anchored(b_q, b_k, b_G, b_A, DOT_A)
+        else:
+            d_kk, d_qk = _products_exact(b_q, b_k, b_G, o_t, n_rows, BT)
+        b_akk += d_kk
+        b_aqk += d_qk
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
+        tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
+        tl.store(kt + p_tk, (b_k * tl.exp(b_last[None, :] - b_G)).to(kt.dtype.element_ty),
+                 mask=m_tk)
+
+    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
+    b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk * SCALE, 0.)
+    tl.store(aqk + p_tt, b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
+    b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
+    b_x = _unit_lower_inverse(b_l, o_t, n_rows, BT)
+    tl.store(x + p_tt, b_x, mask=m_t[:, None])
+
+    for ks in range(0, K, BK):
+        o_k = ks + tl.arange(0, BK)
+        m_k = o_k < K
+        b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+        b_kb = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_b[:, None] * tl.exp(b_G)
+        p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        tl.store(w + p_tk, _dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
+    for vs in range(0, V, BV):
+        o_v = vs + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_vb = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_b[:, None]
+        tl.store(u + p_tv, _dot(b_x, b_vb, DOT_WU).to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def kda_bwd_state_kernel(
+    w, u, kt, gl, h0, meta, off_cu, off_co,
+    h, vn,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr,
+):
+    """The forward state pass again, storing the state at each chunk's start
+    (h, fp32) and v_new; one program per (sequence, value head, V block)."""
+    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(meta + off_cu + i_n)
+    eos = tl.load(meta + off_cu + i_n + 1)
+    c0 = tl.load(meta + off_co + i_n)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        if STATE_V_FIRST:
+            o_s = o_v[None, :] * K + o_k[:, None]
+        else:
+            o_s = o_k[:, None] * V + o_v[None, :]
+        p_state = (i_n.to(tl.int64) * HV + i_hv) * K * V
+        b_h = tl.load(h0 + p_state + o_s, mask=m_kv, other=0.).to(tl.float32)
+
+    for i_t in range(0, n_chunks):
+        rows = bos + i_t * BT + o_t
+        m_t = rows < eos
+        r64 = rows.to(tl.int64)
+        p_k = (r64 * HV + i_hv)[:, None] * K + o_k[None, :]
+        p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        i_c = (c0 + i_t).to(tl.int64)
+        p_h = ((i_c * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(h + p_h, b_h, mask=m_kv)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+        b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
+        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+        b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision="ieee")
+        b_vnd = b_vn.to(b_w.dtype)
+        tl.store(vn + p_v, b_vnd.to(vn.dtype.element_ty), mask=m_tv)
+        b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_kt), b_vnd, input_precision="ieee")
+
+
+@triton.jit
+def kda_bwd_dstate_kernel(
+    qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co,
+    dh, dvn, dh0,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
+    STORE_INITIAL_GRAD: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+):
+    """The state's cotangent, carried from the final state back over the
+    chunks in reverse: stores dS (the cotangent of each chunk's end state,
+    fp32), dv_new, and the initial state's gradient."""
+    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(meta + off_cu + i_n)
+    eos = tl.load(meta + off_cu + i_n + 1)
+    c0 = tl.load(meta + off_co + i_n)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    if STATE_V_FIRST:
+        o_s = o_v[None, :] * K + o_k[:, None]
+    else:
+        o_s = o_k[:, None] * V + o_v[None, :]
+    p_state = (i_n.to(tl.int64) * HV + i_hv) * K * V
+
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_FINAL_GRAD:
+        b_dh = tl.load(dht + p_state + o_s, mask=m_kv, other=0.).to(tl.float32)
+
+    for s in range(0, n_chunks):
+        i_t = n_chunks - 1 - s
+        rows = bos + i_t * BT + o_t
+        m_t = rows < eos
+        r64 = rows.to(tl.int64)
+        p_k = (r64 * HV + i_hv)[:, None] * K + o_k[None, :]
+        p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        i_c = (c0 + i_t).to(tl.int64)
+        p_h = ((i_c * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(dh + p_h, b_dh, mask=m_kv)
+        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
+        b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+        b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
+                      mask=m_t[:, None], other=0.)
+        b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_w.dtype)
+        b_dhd = b_dh.to(b_w.dtype)
+        b_dvn = tl.dot(tl.trans(b_a), b_do, input_precision="ieee")
+        b_dvn += tl.dot(b_kt, b_dhd, input_precision="ieee")
+        b_dvnd = b_dvn.to(b_w.dtype)
+        tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
+        b_dh = b_dh * b_gl[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision="ieee")
+        b_dh -= tl.dot(tl.trans(b_w), b_dvnd, input_precision="ieee")
+
+    if STORE_INITIAL_GRAD:
+        tl.store(dh0 + p_state + o_s, b_dh, mask=m_kv)
+
+
+@triton.jit
+def kda_bwd_inter_kernel(
+    q, k, g, h, dh, vn, dvn, do, meta, off_cu, off_ct,
+    dq, dk, dg, dw,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+):
+    """The terms that go through the state, for one chunk and K block:
+    dqg = do h^T, dw = -dv_new h^T, dkt = v_new dS^T and dgl = sum_V(dS h),
+    written as partial dq, dk, dG (fp32) and dw. dG's row n_rows - 1 also
+    carries the gradient of G_last, which the reverse cumsum of the intra
+    kernel hands to every row of the chunk."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = o_t < n_rows
+    r64 = rows.to(tl.int64)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    i_c64 = i_c.to(tl.int64)
+
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dgl = tl.zeros([BK], dtype=tl.float32)
+    for vs in range(0, V, BV):
+        o_v = vs + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+        p_h = ((i_c64 * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+        b_vn = tl.load(vn + p_v, mask=m_tv, other=0.)
+        b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_vn.dtype)
+        b_h = tl.load(h + p_h, mask=m_kv, other=0.)
+        b_dh = tl.load(dh + p_h, mask=m_kv, other=0.)
+        b_hd = b_h.to(b_vn.dtype)
+        b_dqg += tl.dot(b_do, tl.trans(b_hd), input_precision="ieee")
+        b_dw -= tl.dot(b_dvn, tl.trans(b_hd), input_precision="ieee")
+        b_dkt += tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), input_precision="ieee")
+        b_dgl += tl.sum(b_dh * b_h, axis=1)
+
+    b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+    b_last = _row_of(b_G, o_t, BT - 1)
+    b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
+    b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
+    b_eg = tl.exp(b_G)
+    b_kt = b_k * tl.exp(b_last[None, :] - b_G)
+    b_dq = b_dqg * b_eg * SCALE
+    b_dk = b_dkt * tl.exp(b_last[None, :] - b_G)
+    b_dG = b_dqg * b_q * b_eg * SCALE - b_dkt * b_kt
+    b_dlast = tl.sum(b_dkt * b_kt, axis=0) + b_dgl * tl.exp(b_last)
+    b_dG += tl.where(o_t[:, None] == n_rows - 1, b_dlast[None, :], 0.)
+
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    tl.store(dq + p_tk, b_dq, mask=m_tk)
+    tl.store(dk + p_tk, b_dk, mask=m_tk)
+    tl.store(dg + p_tk, b_dG, mask=m_tk)
+    tl.store(dw + p_tk, b_dw, mask=m_tk)
+
+
+@triton.jit
+def _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dakk, b_daqs, o_t, n_rows,
+                        BT: tl.constexpr, BK: tl.constexpr):
+    """Backward of the intra-chunk products, one column j at a time with
+    pairwise decays e^(G_i - G_j) (i >= j, exponents <= 0): exact for any gate.
+
+    Returns (dq, dk, dG, P) for this K slice, P_i = sum_j dL_ij k_j e^(G_i - G_j)
+    (dk gets beta * P and dbeta gets sum_K(k P) from the caller)."""
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dG = tl.zeros([BT, BK], dtype=tl.float32)
+    b_p = tl.zeros([BT, BK], dtype=tl.float32)
+    for j in range(0, n_rows):
+        b_kj = _row_of(b_k, o_t, j)
+        b_Gj = _row_of(b_G, o_t, j)
+        m_i = o_t[:, None] >= j
+        b_e = tl.where(m_i, tl.exp(tl.where(m_i, b_G - b_Gj[None, :], 0.)), 0.)
+        b_ke = b_e * b_kj[None, :]
+        a_l = _col_of(b_dl, o_t, j)
+        a_k = _col_of(b_dakk, o_t, j)
+        a_q = _col_of(b_daqs, o_t, j)
+        b_p += a_l[:, None] * b_ke
+        b_dq += a_q[:, None] * b_ke
+        b_src = a_k[:, None] * b_k + a_q[:, None] * b_q
+        b_t = b_src * b_ke
+        b_dG += b_t
+        m_j = o_t[:, None] == j
+        b_dk += tl.where(m_j, tl.sum(b_src * b_e, axis=0)[None, :], 0.)
+        b_dG -= tl.where(m_j, tl.sum(b_t, axis=0)[None, :], 0.)
+    return b_dq, b_dk, b_dG, b_p
+
+
+@triton.jit
+def kda_bwd_wy_kernel(
+    k, v, g, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw, meta, off_cu, off_ct,
+    dv, dk_w, dg_w, dl, daqk, dbeta,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+    DOT_X: tl.constexpr,
+):
+    """Per chunk, everything that goes through X: dv and dbeta's v term
+    (d(beta v) = X^T dv_new); B's terms of dk, dG and dbeta (dB = X^T dw,
+    added to the inter kernel's partials: dk_w, dg_w); dL = -X^T M with
+    M = dv_new u^T + dw w^T (strictly lower) and scale * dAqk, both stored
+    [T, HV, BT] fp32 for the products kernel. Only X^T is needed (loaded
+    transposed); w and u are the recompute's. DOT_X: the precision of the
+    dots with X^T, as chunk_fwd._dot (fp32 "ieee" unless the config says)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = o_t < n_rows
+    r64 = rows.to(tl.int64)
+    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
+    # X^T[i, j] = X[j, i]: row j of X lives at token t0 + j.
+    b_xt = tl.load(x + (r64 * HV + i_hv)[None, :] * BT + o_t[:, None], mask=m_t[None, :],
+                   other=0.)
+
+    # V blocks: dv, dbeta's v term, dAqk = do v_new^T and M = dv_new u^T.
+    b_daqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_m = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for vs in range(0, V, BV):
+        o_v = vs + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_vn = tl.load(vn + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_daqk += tl.dot(b_do, tl.trans(b_vn), input_precision="ieee")
+        b_m += tl.dot(b_dvn, tl.trans(b_u), input_precision="ieee")
+        b_dvb = _dot(b_xt, b_dvn, DOT_X)
+        tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_dvb * b_v, axis=1)
+    tl.store(daqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_daqk * SCALE, 0.),
+             mask=m_t[:, None])
+
+    # K blocks: M += dw w^T, and dB = X^T dw into dk, dG, dbeta.
+    for ks in range(0, K, BK):
+        o_k = ks + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.)
+        b_m += tl.dot(b_dw, tl.trans(b_w), input_precision="ieee")
+        b_dB = _dot(b_xt, b_dw, DOT_X)
+        b_eg = tl.exp(_decay(g, rows, m_t, i_hv, o_k, m_k, HV, K))
+        b_keg = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_eg
+        b_db += tl.sum(b_dB * b_keg, axis=1)
+        b_dk = tl.load(dk_p + p_tk, mask=m_tk, other=0.) + b_dB * b_b[:, None] * b_eg
+        b_dG = tl.load(dg_p + p_tk, mask=m_tk, other=0.) + b_dB * b_keg * b_b[:, None]
+        tl.store(dk_w + p_tk, b_dk, mask=m_tk)
+        tl.store(dg_w + p_tk, b_dG, mask=m_tk)
+
+    b_dl = _dot(b_xt, b_m, DOT_X)
+    tl.store(dl + p_tt, tl.where(o_t[:, None] > o_t[None, :], -b_dl, 0.), mask=m_t[:, None])
+    tl.store(dbeta + r64 * HV + i_hv, b_db, mask=m_t)
+
+
+@triton.jit
+def kda_bwd_intra_kernel(
+    q, k, g, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct,
+    dq, dk, dg, dbeta_k,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, DOT_A: tl.constexpr,
+):
+    """Per chunk and K block: the intra-chunk products Akk = k k^T e^(G_i - G_j)
+    and Aqk = q k^T e^(G_i - G_j) back to q, k and G (dAkk = beta dL, and
+    scale * dAqk from the wy kernel), then dg = the reverse cumsum of dG.
+    Writes the final dq, dk, dg and this K block's share of dbeta
+    (dbeta_k [T, HV, NK]: sum over the block's K of k_i * sum_j dL_ij k_j e^(G_i - G_j))."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = o_t < n_rows
+    r64 = rows.to(tl.int64)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
+    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+    b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)
+    b_daqs = tl.load(daqk + p_tt, mask=m_t[:, None], other=0.)
+
+    b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+    b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
+    b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
+    b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
+    b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
+    b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
+
+    b_last = _row_of(b_G, o_t, BT - 1)
+    b_A = _row_of(b_G, o_t, BT // 2 - 1)
+    b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
+    if b_span <= ANCHOR_SPAN:
+        b_er = tl.exp(b_G - b_A[None, :])
+        b_ec = tl.exp(b_A[None, :] - b_G)
+        b_kr = b_k * b_er
+        b_kc = b_k * b_ec
+        b_qr = b_q * b_er
+        # One product at a time, each consumed at once (short live ranges).
+        b_p = _dot(b_dl, b_kc, DOT_A)
+        b_db = tl.sum(b_p * b_kr, axis=1)
+        b_p = b_p * b_b[:, None]
+        b_dk += b_p * b_er
+        b_dG += b_p * b_kr
+        b_dqr = _dot(b_daqs, b_kc, DOT_A)
+        b_dq += b_dqr * b_er
+        b_dG += b_dqr * b_qr
+        b_dkc = _dot(tl.trans(b_dl * b_b[:, None]), b_kr, DOT_A)
+        b_dkc += _dot(tl.trans(b_daqs), b_qr, DOT_A)
+        b_dk += b_dkc * b_ec
+        b_dG -= b_dkc * b_kc
+    else:
+        e_dq, e_dk, e_dG, e_p = _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dl * b_b[:, None],
+                                                    b_daqs, o_t, n_rows, BT, BK)
+        b_db = tl.sum(e_p * b_k, axis=1)
+        b_dk += e_dk + e_p * b_b[:, None]
+        b_dq += e_dq
+        b_dG += e_dG
+    b_dg = tl.cumsum(tl.where(m_tk, b_dG, 0.), axis=0, reverse=True)
+    tl.store(dq + p_tk, b_dq, mask=m_tk)
+    tl.store(dk + p_tk, b_dk, mask=m_tk)
+    tl.store(dg + p_tk, b_dg, mask=m_tk)
+    tl.store(dbeta_k + (r64 * HV + i_hv) * tl.num_programs(2) + i_k, b_db, mask=m_t)
