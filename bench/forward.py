@@ -72,6 +72,8 @@ def main(argv=None):
     p.add_argument("--varlen", default=None, help="comma-separated lengths: one B=1 call")
     p.add_argument("--heads", type=int, default=32, help="H for --varlen")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--shapes", default=None,
+                   help="'B,T,H;B,T,H': these rows instead of the dense sweep")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     impls = args.impls.split(",")
@@ -81,7 +83,9 @@ def main(argv=None):
         lens = [int(x) for x in args.varlen.split(",")]
         rows = [(1, sum(lens), args.heads, np.cumsum([0] + lens))]
     else:
-        rows = [(b, t, h, None) for b, t, h in DENSE_SWEEP]
+        sweep = DENSE_SWEEP if not args.shapes else [
+            tuple(int(x) for x in row.split(",")) for row in args.shapes.split(";")]
+        rows = [(b, t, h, None) for b, t, h in sweep]
 
     fla_ms, fla_versions = fla_times(rows, kd, vd) if "fla" in impls else ([None] * len(rows), {})
     meta = versions()
