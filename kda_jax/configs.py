@@ -41,6 +41,9 @@ class ForwardConfig:
       16-bit and tf32 modes above do not give.
     fp32_block_k: the prepare kernel's K slice with float32 inputs (None:
       prepare_block_k); fp32-grade products hold more registers.
+    state_block_v_wide / state_warps_wide / state_stages_wide: the state
+      kernel's V block, warps and stages for wide tiles, K > 128 or float32
+      intermediates (None: the values above).
     """
 
     prepare_block_k: int = 64
@@ -53,20 +56,25 @@ class ForwardConfig:
     prepare_wu_dot: str = "ieee"
     fp32_dot: str = "ieee"
     fp32_block_k: int | None = None
+    state_block_v_wide: int | None = None
+    state_warps_wide: int | None = None
+    state_stages_wide: int | None = None
 
     def __post_init__(self):
         for name in ("prepare_dot", "prepare_wu_dot", "fp32_dot"):
             value = getattr(self, name)
             if value not in DOT_MODES:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
-        for name in ("prepare_block_k", "state_block_v", "fp32_block_k"):
+        for name in ("prepare_block_k", "state_block_v", "fp32_block_k", "state_block_v_wide"):
             value = getattr(self, name)
-            if value is None and name == "fp32_block_k":
+            if value is None and name != "prepare_block_k" and name != "state_block_v":
                 continue
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
-        for name in ("prepare_warps", "state_warps"):
+        for name in ("prepare_warps", "state_warps", "state_warps_wide"):
             value = getattr(self, name)
+            if value is None and name == "state_warps_wide":
+                continue
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
 
@@ -86,11 +94,12 @@ FORWARD = {
     "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                           state_block_v=32, state_warps=4, state_stages=2,
                           prepare_dot="tf32x3", prepare_wu_dot="bf16", fp32_dot="tf32x3",
-                          fp32_block_k=16),
+                          fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8),
     "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                             state_block_v=32, state_warps=2, state_stages=2),
     "gfx942": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
-                            state_block_v=32, state_warps=2, state_stages=2),
+                            state_block_v=32, state_warps=2, state_stages=2,
+                            state_stages_wide=1),  # 64 KiB of LDS
     "gfx1250": ForwardConfig(prepare_block_k=32, prepare_warps=8, prepare_stages=1,
                              state_block_v=32, state_warps=4, state_stages=2),
     "default": ForwardConfig(),
@@ -297,6 +306,9 @@ class BackwardConfig:
     prepare_wu_dot: str = "ieee"
     fp32_dot: str = "ieee"
     fp32_block_k: int | None = None
+    state_block_v_wide: int | None = None
+    state_warps_wide: int | None = None
+    state_stages_wide: int | None = None
     state_block_v: int = 32
     state_warps: int = 4
     state_stages: int = 2

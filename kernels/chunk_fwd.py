@@ -278,7 +278,7 @@ def kda_fwd_state_output_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    INDEXED_STATE: tl.constexpr,
+    INDEXED_STATE: tl.constexpr, DOT: tl.constexpr,
 ):
     """One program per (sequence, value head, V block): the state [BK, BV] stays
     in registers (float32) while the sequence's chunks go by in order.
@@ -302,7 +302,7 @@ def kda_fwd_state_output_kernel(
         _state_output_sequence(
             w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, slots, o, ht,
             i_n, i_hv, bos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
-            STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE)
+            STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, DOT)
     else:
         b_zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
         for t0 in range(bos, n_tokens, BT):
@@ -318,7 +318,7 @@ def _state_output_sequence(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    INDEXED_STATE: tl.constexpr,
+    INDEXED_STATE: tl.constexpr, DOT: tl.constexpr,
 ):
     """The state pass and output of sequence i_n (kda_fwd_state_output_kernel's body)."""
     eos = tl.load(meta + off_cu + i_n + 1)
@@ -354,21 +354,22 @@ def _state_output_sequence(
         m_tv = m_t[:, None] & m_v[None, :]
         p_k = (r64 * HV + i_hv)[:, None] * K + o_k[None, :]
         p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
-        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
-        b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
+        # Each tile is loaded just before its product, so that at most one
+        # [BT, K] tile is live at a time (K = 256 is tight in registers).
         b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+        b_hd = b_h.to(b_w.dtype)
+        b_vnd = (b_u - _dot(b_w, b_hd, DOT)).to(b_w.dtype)
+        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
+        b_o = _dot(b_qg, b_hd, DOT)
         b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
                       mask=m_t[:, None], other=0.)
+        b_o += _dot(b_a.to(b_w.dtype), b_vnd, DOT)
+        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+        b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
         b_gl = tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k,
                        mask=m_k, other=0.)
-        b_hd = b_h.to(b_w.dtype)
-        b_vn = b_u - tl.dot(b_w, b_hd, input_precision="ieee")
-        b_vnd = b_vn.to(b_w.dtype)
-        b_o = tl.dot(b_qg, b_hd, input_precision="ieee")
-        b_o += tl.dot(b_a.to(b_w.dtype), b_vnd, input_precision="ieee")
-        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
-        b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_kt), b_vnd, input_precision="ieee")
+        b_h = b_h * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
 
     if STORE_FINAL_STATE:
         if INDEXED_STATE:

@@ -68,6 +68,9 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     """
     bt = opts.chunk_size
     sixteen_bit = jnp.dtype(work).itemsize == 2
+    # The state kernel's wide tiles: K > 128 or float32 intermediates.
+    wide = _pow2(kd) > 128 or not sixteen_bit
+    _wide = lambda narrow, wide_value: wide_value if wide and wide_value is not None else narrow
     prepare = KernelLaunch(
         kernel="kda_fwd_prepare_kernel",
         constexprs=dict(
@@ -92,16 +95,19 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         kernel="kda_fwd_state_output_kernel",
         constexprs=dict(
             HV=hv, K=kd, V=vd, BT=bt, BK=_pow2(max(kd, 16)),
-            BV=min(_pow2(vd), config.state_block_v),
+            BV=min(_pow2(vd), _wide(config.state_block_v, config.state_block_v_wide)),
             USE_INITIAL_STATE=has_initial_state or indexed_state,
             STORE_FINAL_STATE=opts.output_final_state or indexed_state,
             STATE_V_FIRST=opts.state_v_first,
             INDEXED_STATE=indexed_state,
+            # 16-bit intermediates make 16-bit products; float32 ones take fp32_dot.
+            DOT=0 if sixteen_bit else DOT_MODES.index(config.fp32_dot),
         ),
-        num_warps=config.state_warps,
+        num_warps=_wide(config.state_warps, config.state_warps_wide),
         # With K > 128 the pipelined [BT, K] tiles of w, qg and kt outgrow an
         # H200's 227 KiB of shared memory at two stages (measured: 232 KiB).
-        num_stages=config.state_stages if _pow2(kd) <= 128 else 1,
+        num_stages=(_wide(config.state_stages, config.state_stages_wide)
+                    if _pow2(kd) <= 128 else 1),
     )
     return prepare, state
 
