@@ -52,7 +52,9 @@ KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # kda_jax.triton.backward.backward_launches gives them.
 BWD_KERNELS = ("kda_bwd_prepare_kernel", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
                "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
-ALL_KERNELS = KERNELS + BWD_KERNELS
+# The decode kernel (kda_jax.kernels.fused_recurrent), at recurrent_constexprs'.
+DECODE_KERNELS = ("kda_fused_recurrent_kernel",)
+ALL_KERNELS = KERNELS + DECODE_KERNELS + BWD_KERNELS
 
 # target name -> (backend, arch, warp size); the name keys configs.FORWARD.
 TARGETS = {
@@ -180,7 +182,30 @@ _ARGS.update({
     ),
 })
 
+_ARGS["kda_fused_recurrent_kernel"] = (
+    ("q", "in"), ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"),
+    ("A_log", "*fp32"), ("dt_bias", "*fp32"), ("h0", "*fp32"), ("read_idx", "*i32"),
+    ("write_idx", "*i32"), ("meta", "*i32"), ("off_cu", "i32"), ("n_seqs", "i32"),
+    ("n_tokens", "i32"), ("slots", "i32"), ("o", "in"), ("ht", "*fp32"),
+)
+
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _decode_launch_for(kernel: str, target: str, spec: Spec):
+    """_launch_for of the decode kernel (config: configs.RECURRENT[target]; the
+    spec's chunk size does not apply, and "all" flags add the state pool)."""
+    from kda_jax.configs import recurrent_config
+    from kda_jax.triton.forward import KernelLaunch
+    from kda_jax.triton.recurrent import recurrent_constexprs
+
+    opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
+    config = recurrent_config(target)
+    consts = recurrent_constexprs(
+        h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config,
+        has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0,
+        indexed_state=spec.flags == "all")
+    return KernelLaunch(kernel, consts, config.warps, config.stages), config, spec.dtype
 
 
 def _bwd_launch_for(kernel: str, target: str, spec: Spec):
@@ -204,6 +229,8 @@ def _launch_for(kernel: str, target: str, spec: Spec):
     """(KernelLaunch, config, work dtype name) of ``kernel`` for this target/spec."""
     if kernel in BWD_KERNELS:
         return _bwd_launch_for(kernel, target, spec)
+    if kernel in DECODE_KERNELS:
+        return _decode_launch_for(kernel, target, spec)
     import jax.numpy as jnp
 
     from kda_jax.configs import forward_config
@@ -320,12 +347,14 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from kda_jax.kernels import chunk_bwd, chunk_fwd
+        from kda_jax.kernels import chunk_bwd, chunk_fwd, fused_recurrent
 
         launch, config, work = _launch_for(kernel, target, spec)
         row.update(config=dataclasses.asdict(config), num_warps=launch.num_warps,
                    num_stages=launch.num_stages, constexprs=launch.constexprs)
-        fn = getattr(chunk_bwd if kernel in BWD_KERNELS else chunk_fwd, kernel)
+        module = (chunk_bwd if kernel in BWD_KERNELS
+                  else fused_recurrent if kernel in DECODE_KERNELS else chunk_fwd)
+        fn = getattr(module, kernel)
         if not isinstance(fn, triton.runtime.JITFunction):
             raise RuntimeError(
                 f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
@@ -424,6 +453,7 @@ def run(targets=tuple(TARGETS), specs=SPECS, kernels=ALL_KERNELS, jobs: int = 2,
 # --------------------------------------------------------------------------- #
 
 _SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "state_output",
+          "kda_fused_recurrent_kernel": "decode",
           "kda_bwd_prepare_kernel": "bwd_prepare", "kda_bwd_state_kernel": "bwd_state",
           "kda_bwd_dstate_kernel": "bwd_dstate", "kda_bwd_inter_kernel": "bwd_inter",
           "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra"}
@@ -458,6 +488,7 @@ def _source_hashes() -> dict:
 
     out = {}
     for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.triton.forward",
+                "kda_jax.kernels.fused_recurrent", "kda_jax.triton.recurrent",
                 "kda_jax.kernels.chunk_bwd", "kda_jax.triton.backward"):
         path = importlib.util.find_spec(mod).origin
         with open(path, "rb") as f:
