@@ -221,7 +221,7 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
     work = work_dtype({"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype])
     launches = backward_launches(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
                                  config=config, has_initial_state=has_h0,
-                                 has_final_grad=opts.output_final_state)
+                                 has_final_grad=opts.output_final_state, work=work)
     return launches[kernel], config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 

@@ -65,18 +65,25 @@ class ForwardConfig:
             value = getattr(self, name)
             if value not in DOT_MODES:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
+        optional = ("fp32_block_k", "state_block_v_wide", "state_warps_wide", "state_stages_wide")
         for name in ("prepare_block_k", "state_block_v", "fp32_block_k", "state_block_v_wide"):
             value = getattr(self, name)
-            if value is None and name != "prepare_block_k" and name != "state_block_v":
+            if value is None and name in optional:
                 continue
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
         for name in ("prepare_warps", "state_warps", "state_warps_wide"):
             value = getattr(self, name)
-            if value is None and name == "state_warps_wide":
+            if value is None and name in optional:
                 continue
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
+        for name in ("prepare_stages", "state_stages", "state_stages_wide"):
+            value = getattr(self, name)
+            if value is None and name in optional:
+                continue
+            if value not in (1, 2, 3, 4):
+                raise ValueError(f"{name}={value} must be one of 1, 2, 3, 4")
 
 
 # sm90: measured on the H200 (bench.tune_forward at (1, 8192, 32), bf16):
@@ -297,6 +304,8 @@ class BackwardConfig:
       x K blocks).
     product_dot: precision of the products' backward in the intra kernel
       (see ForwardConfig.prepare_dot).
+    fp32_dot: precision of the state passes' and the inter kernel's products
+      when the intermediates are float32 (16-bit ones multiply exactly).
     """
 
     prepare_block_k: int = 64
@@ -304,11 +313,6 @@ class BackwardConfig:
     prepare_stages: int = 1
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
-    fp32_dot: str = "ieee"
-    fp32_block_k: int | None = None
-    state_block_v_wide: int | None = None
-    state_warps_wide: int | None = None
-    state_stages_wide: int | None = None
     state_block_v: int = 32
     state_warps: int = 4
     state_stages: int = 2
@@ -322,9 +326,10 @@ class BackwardConfig:
     intra_block_k: int = 32
     intra_warps: int = 4
     product_dot: str = "ieee"
+    fp32_dot: str = "ieee"
 
     def __post_init__(self):
-        for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "wy_dot"):
+        for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "wy_dot", "fp32_dot"):
             if getattr(self, name) not in DOT_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of "
                                  f"{', '.join(DOT_MODES)}")
@@ -343,13 +348,14 @@ class BackwardConfig:
 # AMD targets use 2 waves of 64 where NVIDIA uses 4 warps of 32, as in FORWARD.
 BACKWARD = {
     # sm90: the products' backward runs in tf32 (tf32x3 and fp32 spill at every
-    # warp count and K block tried, 4-16 warps, 16-32 wide). Still spilling
-    # (kda_jax.aot): the wy kernel at chunk 64 (its fp32 dots with X), and the
-    # state passes with fp32 or K = 256 inputs.
+    # warp count and K block tried, 4-16 warps, 16-32 wide); float32
+    # intermediates in the state passes and the inter kernel take tf32x3.
+    # No kernel spills on any target (kda_jax.aot).
     "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=8, prepare_dot="tf32x3",
                            prepare_wu_dot="tf32x3", state_block_v=16, inter_block_k=32,
                            wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="ieee",
-                           intra_block_k=16, intra_warps=8, product_dot="tf32"),
+                           intra_block_k=16, intra_warps=8, product_dot="tf32",
+                           fp32_dot="tf32x3"),
     "gfx950": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=2,
                              inter_warps=2, wy_warps=4),
     # gfx942: 64 KiB of LDS; the reverse state pass fits at one stage, 4 waves.

@@ -148,7 +148,7 @@ def kda_bwd_state_kernel(
     h, vn,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr,
 ):
     """The forward state pass again, storing the state at each chunk's start
     (h, fp32) and v_new; one program per (sequence, value head, V block)."""
@@ -188,10 +188,10 @@ def kda_bwd_state_kernel(
         b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
         b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
-        b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision="ieee")
+        b_vn = b_u - _dot(b_w, b_h.to(b_w.dtype), DOT)
         b_vnd = b_vn.to(b_w.dtype)
         tl.store(vn + p_v, b_vnd.to(vn.dtype.element_ty), mask=m_tv)
-        b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_kt), b_vnd, input_precision="ieee")
+        b_h = b_h * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
 
 
 @triton.jit
@@ -200,7 +200,7 @@ def kda_bwd_dstate_kernel(
     dh, dvn, dh0,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
-    STORE_INITIAL_GRAD: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    STORE_INITIAL_GRAD: tl.constexpr, STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr,
 ):
     """The state's cotangent, carried from the final state back over the
     chunks in reverse: stores dS (the cotangent of each chunk's end state,
@@ -238,20 +238,21 @@ def kda_bwd_dstate_kernel(
         i_c = (c0 + i_t).to(tl.int64)
         p_h = ((i_c * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(dh + p_h, b_dh, mask=m_kv)
-        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
-        b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
-        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+        # Each [BT, K] tile is loaded just before its product, so that one
+        # at a time is live (K = 256 and float32 tiles are tight in registers).
         b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
                       mask=m_t[:, None], other=0.)
-        b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_w.dtype)
-        b_dhd = b_dh.to(b_w.dtype)
-        b_dvn = tl.dot(tl.trans(b_a), b_do, input_precision="ieee")
-        b_dvn += tl.dot(b_kt, b_dhd, input_precision="ieee")
-        b_dvnd = b_dvn.to(b_w.dtype)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_a.dtype)
+        b_dvn = _dot(tl.trans(b_a), b_do, DOT)
+        b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
+        b_dvn += _dot(b_kt, b_dh.to(b_kt.dtype), DOT)
+        b_dvnd = b_dvn.to(b_kt.dtype)
         tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
-        b_dh = b_dh * b_gl[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision="ieee")
-        b_dh -= tl.dot(tl.trans(b_w), b_dvnd, input_precision="ieee")
+        b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
+        b_dh = b_dh * b_gl[:, None] + _dot(tl.trans(b_qg), b_do, DOT)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+        b_dh -= _dot(tl.trans(b_w), b_dvnd, DOT)
 
     if STORE_INITIAL_GRAD:
         tl.store(dh0 + p_state + o_s, b_dh, mask=m_kv)
@@ -263,6 +264,7 @@ def kda_bwd_inter_kernel(
     dq, dk, dg, dw,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """The terms that go through the state, for one chunk and K block:
     dqg = do h^T, dw = -dv_new h^T, dkt = v_new dS^T and dgl = sum_V(dS h),
@@ -297,9 +299,9 @@ def kda_bwd_inter_kernel(
         b_h = tl.load(h + p_h, mask=m_kv, other=0.)
         b_dh = tl.load(dh + p_h, mask=m_kv, other=0.)
         b_hd = b_h.to(b_vn.dtype)
-        b_dqg += tl.dot(b_do, tl.trans(b_hd), input_precision="ieee")
-        b_dw -= tl.dot(b_dvn, tl.trans(b_hd), input_precision="ieee")
-        b_dkt += tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), input_precision="ieee")
+        b_dqg += _dot(b_do, tl.trans(b_hd), DOT)
+        b_dw -= _dot(b_dvn, tl.trans(b_hd), DOT)
+        b_dkt += _dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), DOT)
         b_dgl += tl.sum(b_dh * b_h, axis=1)
 
     b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
@@ -382,26 +384,33 @@ def kda_bwd_wy_kernel(
     b_xt = tl.load(x + (r64 * HV + i_hv)[None, :] * BT + o_t[:, None], mask=m_t[None, :],
                    other=0.)
 
-    # V blocks: dv, dbeta's v term, dAqk = do v_new^T and M = dv_new u^T.
+    # V blocks, twice, so that at most two [BT, BT] fp32 tiles are live (X^T
+    # and one accumulator; three spill on sm90): first dAqk = do v_new^T,
+    # then dv, dbeta's v term and M = dv_new u^T.
     b_daqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for vs in range(0, V, BV):
+        o_v = vs + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_vn = tl.load(vn + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_daqk += _dot(b_do, tl.trans(b_vn), DOT_X)
+    tl.store(daqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_daqk * SCALE, 0.),
+             mask=m_t[:, None])
+
     b_m = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     for vs in range(0, V, BV):
         o_v = vs + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_vn = tl.load(vn + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_daqk += tl.dot(b_do, tl.trans(b_vn), input_precision="ieee")
-        b_m += tl.dot(b_dvn, tl.trans(b_u), input_precision="ieee")
+        b_m += _dot(b_dvn, tl.trans(b_u), DOT_X)
         b_dvb = _dot(b_xt, b_dvn, DOT_X)
         tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_db += tl.sum(b_dvb * b_v, axis=1)
-    tl.store(daqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_daqk * SCALE, 0.),
-             mask=m_t[:, None])
 
     # K blocks: M += dw w^T, and dB = X^T dw into dk, dG, dbeta.
     for ks in range(0, K, BK):
@@ -411,7 +420,7 @@ def kda_bwd_wy_kernel(
         p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.)
-        b_m += tl.dot(b_dw, tl.trans(b_w), input_precision="ieee")
+        b_m += _dot(b_dw, tl.trans(b_w), DOT_X)
         b_dB = _dot(b_xt, b_dw, DOT_X)
         b_eg = tl.exp(_decay(g, rows, m_t, i_hv, o_k, m_k, HV, K))
         b_keg = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_eg

@@ -40,7 +40,7 @@ def _pow2(n: int) -> int:
 
 def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                       config: BackwardConfig, has_initial_state: bool,
-                      has_final_grad: bool) -> dict[str, KernelLaunch]:
+                      has_final_grad: bool, work) -> dict[str, KernelLaunch]:
     """The six launches of the backward for these shapes, options and config,
     by kernel name (in launch order). The one place their constexprs are
     derived: :func:`core_backward` launches with them, :mod:`kda_jax.aot`
@@ -52,6 +52,10 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     state_stages = config.state_stages if bk_state <= 128 else 1
     block = lambda n, cap: min(_pow2(max(n, 16)), cap)
     dot_a = DOT_MODES.index(config.product_dot)
+    # The state passes and the inter kernel multiply intermediates (``work``,
+    # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
+    # take fp32_dot.
+    dot_state = 0 if jnp.dtype(work).itemsize == 2 else DOT_MODES.index(config.fp32_dot)
     common = dict(HV=hv, K=kd, V=vd, BT=bt)
     launches = [
         KernelLaunch("kda_bwd_prepare_kernel", dict(
@@ -61,14 +65,14 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             config.prepare_warps, config.prepare_stages),
         KernelLaunch("kda_bwd_state_kernel", dict(
             **common, BK=bk_state, BV=bv_state, USE_INITIAL_STATE=has_initial_state,
-            STATE_V_FIRST=opts.state_v_first), config.state_warps, state_stages),
+            STATE_V_FIRST=opts.state_v_first, DOT=dot_state), config.state_warps, state_stages),
         KernelLaunch("kda_bwd_dstate_kernel", dict(
             **common, BK=bk_state, BV=bv_state, USE_FINAL_GRAD=has_final_grad,
-            STORE_INITIAL_GRAD=has_initial_state, STATE_V_FIRST=opts.state_v_first),
-            config.state_warps, state_stages),
+            STORE_INITIAL_GRAD=has_initial_state, STATE_V_FIRST=opts.state_v_first,
+            DOT=dot_state), config.state_warps, state_stages),
         KernelLaunch("kda_bwd_inter_kernel", dict(
             H=h, **common, BK=block(kd, config.inter_block_k),
-            BV=block(vd, config.inter_block_v), SCALE=float(opts.scale)),
+            BV=block(vd, config.inter_block_v), SCALE=float(opts.scale), DOT=dot_state),
             config.inter_warps, 1),
         KernelLaunch("kda_bwd_wy_kernel", dict(
             H=h, **common, BK=block(kd, config.wy_block_k), BV=block(vd, config.wy_block_v),
@@ -119,7 +123,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     dummy = jnp.zeros((4,), f32)
     L = backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
                           has_initial_state=initial_state is not None,
-                          has_final_grad=dht is not None)
+                          has_final_grad=dht is not None, work=work)
     sds = jax.ShapeDtypeStruct
 
     def run(name, *args, grid, out_shape):
