@@ -50,7 +50,7 @@ __all__ = ["TARGETS", "SPECS", "Spec", "compile_one", "run", "main"]
 KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # The backward's kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
 # kda_jax.triton.backward.backward_launches gives them.
-BWD_KERNELS = ("kda_bwd_prepare_kernel", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
+BWD_KERNELS = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
                "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
 # The decode kernel (kda_jax.kernels.fused_recurrent), at recurrent_constexprs'.
 DECODE_KERNELS = ("kda_fused_recurrent_kernel",)
@@ -132,7 +132,7 @@ _ARGS = {
         ("A_log", "*fp32"), ("dt_bias", "*fp32"), ("meta", "*i32"),
         ("off_cu", "i32"), ("off_ct", "i32"),
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
-        ("gl", "*fp32"),
+        ("gl", "*fp32"), ("x", "*fp32"),
     ),
     "kda_fwd_state_output_kernel": (
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
@@ -146,12 +146,6 @@ _ARGS = {
 # The backward kernels' runtime arguments, as _ARGS ("in" also covers the
 # output's cotangent do; q, k, g, beta are the transformed inputs).
 _ARGS.update({
-    "kda_bwd_prepare_kernel": (
-        ("q", "in"), ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"), ("meta", "*i32"),
-        ("off_cu", "i32"), ("off_ct", "i32"),
-        ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
-        ("gl", "*fp32"), ("x", "*fp32"),
-    ),
     "kda_bwd_state_kernel": (
         ("w", "work"), ("u", "work"), ("kt", "work"), ("gl", "*fp32"), ("h0", "*fp32"),
         ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("h", "*fp32"), ("vn", "work"),
@@ -189,6 +183,11 @@ _ARGS["kda_fused_recurrent_kernel"] = (
     ("n_tokens", "i32"), ("slots", "i32"), ("o", "in"), ("ht", "*fp32"),
 )
 
+# The backward's recompute is the forward's prepare kernel with STORE_X at the
+# backward config (kda_jax.triton.backward.recompute_launch).
+_ARGS["kda_bwd_recompute"] = _ARGS["kda_fwd_prepare_kernel"]
+_FUNCTION = {"kda_bwd_recompute": "kda_fwd_prepare_kernel"}
+
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -213,16 +212,20 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
     import jax.numpy as jnp
 
     from kda_jax.configs import backward_config
-    from kda_jax.triton.backward import backward_launches
+    from kda_jax.triton.backward import backward_launches, recompute_launch
     from kda_jax.triton.forward import work_dtype
 
     opts, _, _, has_h0 = _spec_options(spec)
     config = backward_config(target, spec.chunk)
     work = work_dtype({"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype])
-    launches = backward_launches(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
-                                 config=config, has_initial_state=has_h0,
-                                 has_final_grad=opts.output_final_state, work=work)
-    return launches[kernel], config, _TRITON_DTYPE[jnp.dtype(work).name]
+    if kernel == "kda_bwd_recompute":
+        launch = recompute_launch(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
+                                  config=config, work=work)
+    else:
+        launch = backward_launches(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
+                                   config=config, has_initial_state=has_h0,
+                                   has_final_grad=opts.output_final_state, work=work)[kernel]
+    return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
 def _launch_for(kernel: str, target: str, spec: Spec):
@@ -352,9 +355,9 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
         launch, config, work = _launch_for(kernel, target, spec)
         row.update(config=dataclasses.asdict(config), num_warps=launch.num_warps,
                    num_stages=launch.num_stages, constexprs=launch.constexprs)
-        module = (chunk_bwd if kernel in BWD_KERNELS
-                  else fused_recurrent if kernel in DECODE_KERNELS else chunk_fwd)
-        fn = getattr(module, kernel)
+        name = _FUNCTION.get(kernel, kernel)
+        module = next(m for m in (chunk_fwd, chunk_bwd, fused_recurrent) if hasattr(m, name))
+        fn = getattr(module, name)
         if not isinstance(fn, triton.runtime.JITFunction):
             raise RuntimeError(
                 f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
@@ -454,7 +457,7 @@ def run(targets=tuple(TARGETS), specs=SPECS, kernels=ALL_KERNELS, jobs: int = 2,
 
 _SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "state_output",
           "kda_fused_recurrent_kernel": "decode",
-          "kda_bwd_prepare_kernel": "bwd_prepare", "kda_bwd_state_kernel": "bwd_state",
+          "kda_bwd_recompute": "bwd_recompute", "kda_bwd_state_kernel": "bwd_state",
           "kda_bwd_dstate_kernel": "bwd_dstate", "kda_bwd_inter_kernel": "bwd_inter",
           "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra"}
 

@@ -117,11 +117,6 @@ FORWARD_C32 = {
     "sm90": dataclasses.replace(FORWARD["sm90"], prepare_block_k=16, prepare_warps=4),
 }
 
-_OVERRIDE: contextvars.ContextVar[ForwardConfig | None] = contextvars.ContextVar(
-    "kda_jax_forward_config", default=None
-)
-
-
 def current_arch() -> str:
     """The default device's architecture key (one of ARCHS), read at trace time,
     or the arch chosen with :func:`target_arch`."""
@@ -145,30 +140,51 @@ def current_arch() -> str:
     return "default"
 
 
+class _Table:
+    """The per-arch configs of one kernel family (by chunk size where that
+    matters), with a trace-time override (a context variable, so the override
+    is local to the thread and the ``with`` block)."""
+
+    def __init__(self, kind: type, by_arch: dict, by_arch_c32: dict | None = None):
+        self.kind, self.by_arch, self.by_arch_c32 = kind, by_arch, by_arch_c32 or {}
+        self.chosen = contextvars.ContextVar(f"kda_jax_{kind.__name__}", default=None)
+
+    def get(self, arch: str | None, chunk_size: int = 64):
+        chosen = self.chosen.get()
+        if chosen is not None:
+            return chosen
+        arch = current_arch() if arch is None else arch
+        if arch not in self.by_arch:
+            raise ValueError(f"arch={arch!r} has no {self.kind.__name__}; known: "
+                             f"{', '.join(self.by_arch)}")
+        if chunk_size == 32:
+            return self.by_arch_c32.get(arch, self.by_arch[arch])
+        return self.by_arch[arch]
+
+    @contextlib.contextmanager
+    def override(self, config):
+        if not isinstance(config, self.kind):
+            raise TypeError(f"config must be a {self.kind.__name__}, got "
+                            f"{type(config).__name__}")
+        token = self.chosen.set(config)
+        try:
+            yield config
+        finally:
+            self.chosen.reset(token)
+
+
+_FORWARD = _Table(ForwardConfig, FORWARD, FORWARD_C32)
+
+
 def forward_config(arch: str | None = None, chunk_size: int = 64) -> ForwardConfig:
     """The forward config for ``arch`` (default: the current device) at
     ``chunk_size``, or the override."""
-    chosen = _OVERRIDE.get()
-    if chosen is not None:
-        return chosen
-    arch = current_arch() if arch is None else arch
-    if arch not in FORWARD:
-        raise ValueError(f"arch={arch!r} has no config; known: {', '.join(FORWARD)}")
-    if chunk_size == 32:
-        return FORWARD_C32.get(arch, FORWARD[arch])
-    return FORWARD[arch]
+    return _FORWARD.get(arch, chunk_size)
 
 
-@contextlib.contextmanager
 def override(config: ForwardConfig):
     """Uses ``config`` for every chunk_kda traced inside the ``with`` block."""
-    if not isinstance(config, ForwardConfig):
-        raise TypeError(f"config must be a ForwardConfig, got {type(config).__name__}")
-    token = _OVERRIDE.set(config)
-    try:
-        yield config
-    finally:
-        _OVERRIDE.reset(token)
+    return _FORWARD.override(config)
 
 
 # --------------------------------------------------------------------------- #
@@ -212,33 +228,18 @@ RECURRENT = {
     "default": RecurrentConfig(),
 }
 
-_RECURRENT_OVERRIDE: contextvars.ContextVar[RecurrentConfig | None] = contextvars.ContextVar(
-    "kda_jax_recurrent_config", default=None
-)
+_RECURRENT = _Table(RecurrentConfig, RECURRENT)
 
 
 def recurrent_config(arch: str | None = None) -> RecurrentConfig:
     """The decode kernel's config for ``arch`` (default: the current device), or
     the override."""
-    chosen = _RECURRENT_OVERRIDE.get()
-    if chosen is not None:
-        return chosen
-    arch = current_arch() if arch is None else arch
-    if arch not in RECURRENT:
-        raise ValueError(f"arch={arch!r} has no config; known: {', '.join(RECURRENT)}")
-    return RECURRENT[arch]
+    return _RECURRENT.get(arch)
 
 
-@contextlib.contextmanager
 def override_recurrent(config: RecurrentConfig):
     """Uses ``config`` for every fused_recurrent_kda traced inside the ``with`` block."""
-    if not isinstance(config, RecurrentConfig):
-        raise TypeError(f"config must be a RecurrentConfig, got {type(config).__name__}")
-    token = _RECURRENT_OVERRIDE.set(config)
-    try:
-        yield config
-    finally:
-        _RECURRENT_OVERRIDE.reset(token)
+    return _RECURRENT.override(config)
 
 
 # --------------------------------------------------------------------------- #
@@ -371,32 +372,15 @@ BACKWARD_C32 = {
                                 inter_block_k=16),
 }
 
-_BACKWARD_OVERRIDE: contextvars.ContextVar[BackwardConfig | None] = contextvars.ContextVar(
-    "kda_jax_backward_config", default=None
-)
+_BACKWARD = _Table(BackwardConfig, BACKWARD, BACKWARD_C32)
 
 
 def backward_config(arch: str | None = None, chunk_size: int = 64) -> BackwardConfig:
     """The backward config for ``arch`` (default: the current device) at
     ``chunk_size``, or the override."""
-    chosen = _BACKWARD_OVERRIDE.get()
-    if chosen is not None:
-        return chosen
-    arch = current_arch() if arch is None else arch
-    if arch not in BACKWARD:
-        raise ValueError(f"arch={arch!r} has no config; known: {', '.join(BACKWARD)}")
-    if chunk_size == 32:
-        return BACKWARD_C32.get(arch, BACKWARD[arch])
-    return BACKWARD[arch]
+    return _BACKWARD.get(arch, chunk_size)
 
 
-@contextlib.contextmanager
 def override_backward(config: BackwardConfig):
     """Uses ``config`` for the backward of every chunk_kda traced inside the block."""
-    if not isinstance(config, BackwardConfig):
-        raise TypeError(f"config must be a BackwardConfig, got {type(config).__name__}")
-    token = _BACKWARD_OVERRIDE.set(config)
-    try:
-        yield config
-    finally:
-        _BACKWARD_OVERRIDE.reset(token)
+    return _BACKWARD.override(config)

@@ -1,4 +1,4 @@
-"""Chunked KDA backward in six kernels (KDA_SPEC sections 3 and 4).
+"""Chunked KDA backward: five kernels after a recompute (KDA_SPEC sections 3 and 4).
 
 The kernels see the *transformed* inputs (L2 norm, gate and beta transforms
 are applied and differentiated in JAX by the caller, kda_jax.triton.backward):
@@ -19,8 +19,8 @@ final state's cotangent), the backward is
   then the products Akk, Aqk back to q, k, G, and dg = reverse cumsum of dG.
 
 Kernels, in launch order (all recompute from the inputs; nothing is kept from
-the forward):
-  kda_bwd_prepare_kernel  grid (chunks, HV): w, u, qg, kt, Aqk, gl and X.
+the forward). First the forward's kda_fwd_prepare_kernel (chunk_fwd) with
+STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl and X. Then:
   kda_bwd_state_kernel    grid (sequences, HV, V blocks): h per chunk, v_new.
   kda_bwd_dstate_kernel   grid (sequences, HV, V blocks): walks chunks in
                           reverse: dS per chunk, dv_new, the initial state's
@@ -48,8 +48,7 @@ row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback.
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (ANCHOR_SPAN, _chunk_cumsum, _dot, _products_anchored,
-                        _products_exact, _row_of, _tile, _unit_lower_inverse)
+from .chunk_fwd import ANCHOR_SPAN, _chunk_cumsum, _dot, _row_of, _tile
 
 
 @triton.jit
@@ -74,72 +73,6 @@ def _decay(g, rows, m_t, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
 def _col_of(b_x, o_t, j):
     """Column j of a [BT, BT] tile as a [BT] vector."""
     return tl.sum(tl.where(o_t[None, :] == j, b_x, 0.), axis=1)
-
-
-@triton.jit
-def kda_bwd_prepare_kernel(
-    q, k, v, g, beta, meta, off_cu, off_ct,
-    w, u, qg, kt, aqk, gl, x,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
-    DOT_A: tl.constexpr, DOT_WU: tl.constexpr,
-):
-    """The forward's per-chunk quantities, recomputed, plus X = (I + L)^-1
-    (fp32, [T, HV, BT]) for the backward of the WY transform."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    m_t = o_t < n_rows
-    r64 = rows.to(tl.int64)
-    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
-
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    for ks in range(0, K, BK):
-        o_k = ks + tl.arange(0, BK)
-        m_k = o_k < K
-        b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
-        b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
-        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
-        b_last = _row_of(b_G, o_t, BT - 1)
-        b_A = _row_of(b_G, o_t, BT // 2 - 1)
-        b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
-        if b_span <= ANCHOR_SPAN:
-            d_kk, d_qk = _products_anchored(b_q, b_k, b_G, b_A, DOT_A)
-        else:
-            d_kk, d_qk = _products_exact(b_q, b_k, b_G, o_t, n_rows, BT)
-        b_akk += d_kk
-        b_aqk += d_qk
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
-        tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
-        tl.store(kt + p_tk, (b_k * tl.exp(b_last[None, :] - b_G)).to(kt.dtype.element_ty),
-                 mask=m_tk)
-
-    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
-    b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk * SCALE, 0.)
-    tl.store(aqk + p_tt, b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
-    b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
-    b_x = _unit_lower_inverse(b_l, o_t, n_rows, BT)
-    tl.store(x + p_tt, b_x, mask=m_t[:, None])
-
-    for ks in range(0, K, BK):
-        o_k = ks + tl.arange(0, BK)
-        m_k = o_k < K
-        b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
-        b_kb = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_b[:, None] * tl.exp(b_G)
-        p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-        tl.store(w + p_tk, _dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty),
-                 mask=m_t[:, None] & m_k[None, :])
-    for vs in range(0, V, BV):
-        o_v = vs + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_tv = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_vb = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_b[:, None]
-        tl.store(u + p_tv, _dot(b_x, b_vb, DOT_WU).to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit

@@ -12,6 +12,7 @@ final state: the state pass and the output fused, so h is never stored.
 Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV];
   w, qg, kt [T, HV, K]; u [T, HV, V]; aqk [T, HV, BT]; gl [NC, HV, K] fp32;
+  x [T, HV, BT] fp32 (the inverse, for the backward's recompute only);
   states [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST) fp32.
 Varlen comes from one int32 metadata buffer: cu_seqlens at ``off_cu``,
 chunk_offsets at ``off_co`` and the (sequence, chunk) table at ``off_ct``.
@@ -108,41 +109,14 @@ def _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _products_anchored(b_q, b_k, b_G, b_A, DOT: tl.constexpr):
-    """k_i . k_j e^(G_i - G_j) and q_i . k_j e^(G_i - G_j) for all i, j as two
-    matrix products, through the anchor A (the middle row's G): the row
-    factor e^(G_i - A) and the column factor e^(A - G_j) are each within
-    e^(+-ANCHOR_SPAN). Entries above the diagonal are garbage (later masked)."""
-    b_row = tl.exp(b_G - b_A[None, :])
-    b_kc = b_k * tl.exp(b_A[None, :] - b_G)
-    b_akk = _dot(b_k * b_row, tl.trans(b_kc), DOT)
-    b_aqk = _dot(b_q * b_row, tl.trans(b_kc), DOT)
-    return b_akk, b_aqk
-
-
-@triton.jit
-def _products_exact(b_q, b_k, b_G, o_t, n_rows, BT: tl.constexpr):
-    """The same products on and below the diagonal, one column j at a time
-    with pairwise differences G_i - G_j <= 0: exact for any gate, slow."""
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    for j in range(0, n_rows):
-        b_kj = _row_of(b_k, o_t, j)
-        b_Gj = _row_of(b_G, o_t, j)
-        m_i = o_t[:, None] >= j
-        b_ke = tl.where(m_i, tl.exp(tl.where(m_i, b_G - b_Gj[None, :], 0.)), 0.) * b_kj[None, :]
-        m_col = o_t[None, :] == j
-        b_akk += tl.where(m_col, tl.sum(b_k * b_ke, axis=1)[:, None], 0.)
-        b_aqk += tl.where(m_col, tl.sum(b_q * b_ke, axis=1)[:, None], 0.)
-    return b_akk, b_aqk
-
-
-@triton.jit
 def _decay_product(b_a, b_k, b_G, b_last, o_t, n_rows, BT: tl.constexpr, DOT: tl.constexpr):
     """[BT, BT]: a_i . k_j e^(G_i - G_j) on and below the diagonal (garbage
-    above it, masked by the caller), for one K slice. Anchored on the middle
-    row's G when the slice's gates allow (:func:`_products_anchored`), else
-    column by column with pairwise differences."""
+    above it, masked by the caller), for one K slice.
+
+    While the slice's gates allow, one matrix product through the anchor A
+    (the middle row's G): the row factor e^(G_i - A) and the column factor
+    e^(A - G_j) each stay within e^(+-ANCHOR_SPAN). Otherwise column by column
+    with pairwise differences G_i - G_j <= 0: exact for any gate, slow."""
     b_A = _row_of(b_G, o_t, BT // 2 - 1)
     b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
     if b_span <= ANCHOR_SPAN:
@@ -176,14 +150,16 @@ def _unit_lower_inverse(b_l, o_t, n_rows, BT: tl.constexpr):
 @triton.jit
 def kda_fwd_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, meta, off_cu, off_ct,
-    w, u, qg, kt, aqk, gl,
+    w, u, qg, kt, aqk, gl, x,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
-    DOT_A: tl.constexpr, DOT_WU: tl.constexpr,
+    DOT_A: tl.constexpr, DOT_WU: tl.constexpr, STORE_X: tl.constexpr,
 ):
+    """One program per (chunk, value head). With STORE_X it also writes
+    X = (I + L)^-1 (fp32, [T, HV, BT]) for the backward; x is unused otherwise."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n = tl.load(meta + off_ct + 2 * i_c)
@@ -247,6 +223,8 @@ def kda_fwd_prepare_kernel(
         b_akk += _decay_product(b_k, b_k, b_G, b_last, o_t, n_rows, BT, DOT_A)
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
     b_x = _unit_lower_inverse(b_l, o_t, n_rows, BT)
+    if STORE_X:
+        tl.store(x + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :], b_x, mask=m_t[:, None])
     if DOT_WU == 3:
         b_x = b_x.to(tl.bfloat16).to(tl.float32)  # rounded once, not per product
 

@@ -154,7 +154,7 @@ def test_config_override_and_small_v_blocks(check_close):
 def test_recurrent_config_table():
     assert set(configs.RECURRENT) == set(configs.ARCHS)
     assert configs.recurrent_config("gfx950") == configs.RECURRENT["gfx950"]
-    with pytest.raises(ValueError, match=r"arch='gfx9000' has no config"):
+    with pytest.raises(ValueError, match=r"arch='gfx9000' has no RecurrentConfig"):
         configs.recurrent_config("gfx9000")
     with pytest.raises(ValueError, match=r"block_v=12 must be a power of two >= 8"):
         configs.RecurrentConfig(block_v=12)

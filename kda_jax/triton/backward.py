@@ -7,9 +7,10 @@ backward
 
 1. recomputes the transformed inputs in JAX under ``jax.vjp`` (L2 norm, gate,
    beta sigmoid / negative eigenvalues: elementwise and cheap),
-2. runs the six kernels of ``kda_jax.kernels.chunk_bwd`` on them (transforms
-   off): recompute, state pass, reverse state pass, then per chunk the state
-   terms, the terms through X = (I + L)^-1, and the intra-chunk products,
+2. runs, on them (transforms off), the forward's prepare kernel storing
+   X = (I + L)^-1 too, then the five kernels of ``kda_jax.kernels.chunk_bwd``:
+   state pass, reverse state pass, then per chunk the state terms, the terms
+   through X, and the intra-chunk products,
 3. sums dq and dk over each GVA group (the kernels work per value head) and
    chains everything through the transforms' vjp.
 
@@ -19,6 +20,7 @@ read back from the device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,20 +30,39 @@ from kda_jax import configs, transforms
 from kda_jax.bounds import SeqBounds, chunk_table, packed_metadata
 from kda_jax.configs import DOT_MODES, BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
-from kda_jax.triton.forward import KernelLaunch, chunk_kda_triton, work_dtype
+from kda_jax.triton.forward import (KernelLaunch, chunk_kda_triton, forward_launches,
+                                    work_dtype)
 from kda_jax.triton.launch import interpret_mode, kernels, launch
 
-__all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward"]
+__all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
 
 
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
+                     config: BackwardConfig, work) -> KernelLaunch:
+    """The backward's recompute: the forward's prepare kernel on the
+    transformed inputs (every in-kernel transform off), storing X too, at the
+    backward config's prepare_* values."""
+    plain = dataclasses.replace(
+        opts, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, lower_bound=None,
+        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False)
+    fwd = ForwardConfig(
+        prepare_block_k=config.prepare_block_k, prepare_warps=config.prepare_warps,
+        prepare_stages=config.prepare_stages, prepare_dot=config.prepare_dot,
+        prepare_wu_dot=config.prepare_wu_dot, fp32_dot=config.fp32_dot)
+    prepare, _ = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=plain, config=fwd, work=work,
+                                  has_a_log=False, has_dt_bias=False,
+                                  has_initial_state=False, store_x=True)
+    return prepare
+
+
 def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                       config: BackwardConfig, has_initial_state: bool,
                       has_final_grad: bool, work) -> dict[str, KernelLaunch]:
-    """The six launches of the backward for these shapes, options and config,
+    """The five backward kernels' launches for these shapes, options and config,
     by kernel name (in launch order). The one place their constexprs are
     derived: :func:`core_backward` launches with them, :mod:`kda_jax.aot`
     compiles with them."""
@@ -58,11 +79,6 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     dot_state = 0 if jnp.dtype(work).itemsize == 2 else DOT_MODES.index(config.fp32_dot)
     common = dict(HV=hv, K=kd, V=vd, BT=bt)
     launches = [
-        KernelLaunch("kda_bwd_prepare_kernel", dict(
-            H=h, **common, BK=block(kd, config.prepare_block_k), BV=block(vd, 64),
-            SCALE=float(opts.scale), DOT_A=DOT_MODES.index(config.prepare_dot),
-            DOT_WU=DOT_MODES.index(config.prepare_wu_dot)),
-            config.prepare_warps, config.prepare_stages),
         KernelLaunch("kda_bwd_state_kernel", dict(
             **common, BK=bk_state, BV=bv_state, USE_INITIAL_STATE=has_initial_state,
             STATE_V_FIRST=opts.state_v_first, DOT=dot_state), config.state_warps, state_stages),
@@ -132,12 +148,17 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
                       num_warps=spec.num_warps, num_stages=spec.num_stages, **spec.constexprs)
 
     tk_shape, tv_shape = (tokens, hv, kd), (tokens, hv, vd)
-    w, u, qg, kt, aqk, gl, x = run(
-        "kda_bwd_prepare_kernel", q, k, v, g, beta, meta_dev, off_cu, off_ct,
+    # The forward's prepare kernel on the transformed inputs, also storing X.
+    prep = recompute_launch(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work)
+    w, u, qg, kt, aqk, gl, x = launch(
+        getattr(kernels("chunk_fwd"), prep.kernel),
+        q, k, v, g, beta, dummy, dummy, meta_dev, off_cu, off_ct,
         grid=(n_chunks, hv, 1),
         out_shape=[sds(tk_shape, work), sds(tv_shape, work), sds(tk_shape, work),
                    sds(tk_shape, work), sds((tokens, hv, bt), work),
-                   sds((n_chunks, hv, kd), f32), sds((tokens, hv, bt), f32)])
+                   sds((n_chunks, hv, kd), f32), sds((tokens, hv, bt), f32)],
+        name="kda_bwd_recompute", num_warps=prep.num_warps, num_stages=prep.num_stages,
+        **prep.constexprs)
 
     n_v = -(-vd // L["kda_bwd_state_kernel"].constexprs["BV"])
     h0 = dummy if initial_state is None else initial_state.astype(f32)

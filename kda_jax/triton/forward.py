@@ -57,11 +57,12 @@ class KernelLaunch:
 
 def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                      config: ForwardConfig, work, has_a_log: bool, has_dt_bias: bool,
-                     has_initial_state: bool,
-                     indexed_state: bool = False) -> tuple[KernelLaunch, KernelLaunch]:
+                     has_initial_state: bool, indexed_state: bool = False,
+                     store_x: bool = False) -> tuple[KernelLaunch, KernelLaunch]:
     """The (prepare, state_output) launches for these shapes, options and
     config; ``work`` is the intermediates' dtype (:func:`work_dtype`);
-    ``indexed_state``: states are read from and written to a pool's rows.
+    ``indexed_state``: states are read from and written to a pool's rows;
+    ``store_x``: the prepare kernel also writes X = (I + L)^-1 (the backward).
 
     The one place the constexprs are derived: :func:`chunk_kda_triton` launches
     with them and :mod:`kda_jax.aot` compiles with them.
@@ -87,6 +88,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             BETA_SCALE=2.0 if opts.allow_neg_eigval else 1.0,
             DOT_A=DOT_MODES.index(config.prepare_dot if sixteen_bit else config.fp32_dot),
             DOT_WU=DOT_MODES.index(config.prepare_wu_dot if sixteen_bit else config.fp32_dot),
+            STORE_X=store_x,
         ),
         num_warps=config.prepare_warps,
         num_stages=config.prepare_stages,
@@ -155,7 +157,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     else:
         flat = lambda x: x.reshape((tokens,) + x.shape[2:])
         q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
-        w, u, qg, kt, aqk, gl = launch(
+        w, u, qg, kt, aqk, gl, _ = launch(
             getattr(mod, prep.kernel),
             q, k, v, g, beta,
             dummy if A_log is None else A_log.astype(f32),
@@ -169,6 +171,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                 jax.ShapeDtypeStruct((tokens, hv, kd), work),
                 jax.ShapeDtypeStruct((tokens, hv, bt), work),
                 jax.ShapeDtypeStruct((meta.chunk_programs, hv, kd), f32),
+                jax.ShapeDtypeStruct((4,), f32),  # x: not stored in the forward
             ],
             name="kda_fwd_prepare",
             num_warps=prep.num_warps,

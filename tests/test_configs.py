@@ -1,0 +1,57 @@
+"""Launch-config tables: per-arch choice, chunk-32 entries, overrides, bad values."""
+
+import pytest
+
+from kda_jax import configs
+
+
+@pytest.mark.parametrize("arch", configs.ARCHS)
+def test_every_arch_has_every_kernel_family(arch):
+    for chunk in (32, 64):
+        assert isinstance(configs.forward_config(arch, chunk), configs.ForwardConfig)
+        assert isinstance(configs.backward_config(arch, chunk), configs.BackwardConfig)
+    assert isinstance(configs.recurrent_config(arch), configs.RecurrentConfig)
+
+
+def test_chunk_32_entries_apply_only_at_chunk_32():
+    assert configs.forward_config("sm90", 32) == configs.FORWARD_C32["sm90"]
+    assert configs.forward_config("sm90", 64) == configs.FORWARD["sm90"]
+    assert configs.forward_config("gfx950", 32) == configs.FORWARD["gfx950"]
+
+
+def test_override_is_scoped_to_the_with_block():
+    mine = configs.ForwardConfig(prepare_block_k=16, prepare_warps=2)
+    with configs.override(mine):
+        assert configs.forward_config("sm90") is mine
+        assert configs.forward_config("gfx950", 32) is mine
+    assert configs.forward_config("sm90") == configs.FORWARD["sm90"]
+
+
+@pytest.mark.parametrize("override, config", [
+    (configs.override, configs.RecurrentConfig()),
+    (configs.override_backward, configs.ForwardConfig()),
+    (configs.override_recurrent, 3),
+])
+def test_override_refuses_another_config_type(override, config):
+    with pytest.raises(TypeError, match="config must be a"):
+        with override(config):
+            pass
+
+
+def test_unknown_arch_is_named():
+    with pytest.raises(ValueError, match="arch='sm75' has no ForwardConfig"):
+        configs.forward_config("sm75")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prepare_block_k=24), "prepare_block_k=24 must be a power of two"),
+    (dict(state_block_v_wide=8), "state_block_v_wide=8 must be a power of two"),
+    (dict(prepare_warps=3), "prepare_warps=3 must be one of"),
+    (dict(state_warps_wide=6), "state_warps_wide=6 must be one of"),
+    (dict(state_stages=0), "state_stages=0 must be one of"),
+    (dict(prepare_dot="fp16"), "prepare_dot='fp16' must be one of"),
+    (dict(fp32_dot="tf64"), "fp32_dot='tf64' must be one of"),
+])
+def test_forward_config_refuses_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        configs.ForwardConfig(**kwargs)
