@@ -490,7 +490,8 @@ def _source_hashes() -> dict:
     import importlib.util
 
     out = {}
-    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.triton.forward",
+    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.kernels.state_io",
+                "kda_jax.triton.forward",
                 "kda_jax.kernels.fused_recurrent", "kda_jax.triton.recurrent",
                 "kda_jax.kernels.chunk_bwd", "kda_jax.triton.backward"):
         path = importlib.util.find_spec(mod).origin

@@ -26,6 +26,8 @@ differences, column by column, for a K slice whose gates are steeper.
 import triton
 import triton.language as tl
 
+from .state_io import load_state, state_offsets, store_state
+
 
 @triton.jit
 def _gate(b_g, p_alog, p_dtb, i_hv, o_k, m_k, K: tl.constexpr,
@@ -303,26 +305,9 @@ def _state_output_sequence(
     c0 = tl.load(meta + off_co + i_n)
     n_chunks = tl.cdiv(eos - bos, BT)
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_kv = m_k[:, None] & m_v[None, :]
-    if STATE_V_FIRST:
-        o_s = o_v[None, :] * K + o_k[:, None]
-    else:
-        o_s = o_k[:, None] * V + o_v[None, :]
-    p_state = (i_n.to(tl.int64) * HV + i_hv) * K * V
-
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        if INDEXED_STATE:
-            # A branch on the (program-uniform) index, not a mask: a row that
-            # is not read is never touched.
-            i_r = tl.load(read_idx + i_n)
-            if (i_r >= 0) & (i_r < slots):
-                p_h0 = h0 + (i_r.to(tl.int64) * HV + i_hv) * K * V
-                b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
-        else:
-            b_h = tl.load(h0 + p_state + o_s, mask=m_kv, other=0.).to(tl.float32)
+    o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
+    b_h = load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV,
+                     USE_INITIAL_STATE, INDEXED_STATE)
 
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
@@ -349,11 +334,5 @@ def _state_output_sequence(
                        mask=m_k, other=0.)
         b_h = b_h * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
 
-    if STORE_FINAL_STATE:
-        if INDEXED_STATE:
-            i_w = tl.load(write_idx + i_n)
-            if (i_w >= 0) & (i_w < slots):
-                p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
-                tl.store(p_ht + o_s, b_h, mask=m_kv)
-        else:
-            tl.store(ht + p_state + o_s, b_h, mask=m_kv)
+    store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
+                INDEXED_STATE)

@@ -29,6 +29,8 @@ softplus of the in-kernel transforms, which are written on -|x|.
 import triton
 import triton.language as tl
 
+from .state_io import load_state, state_offsets, store_state
+
 
 @triton.jit
 def _sigmoid(x):
@@ -96,26 +98,9 @@ def _recurrent_sequence(
     i_h = i_hv // (HV // H)
     eos = tl.load(meta + off_cu + i_n + 1)
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_kv = m_k[:, None] & m_v[None, :]
-    if STATE_V_FIRST:
-        o_s = o_v[None, :] * K + o_k[:, None]
-    else:
-        o_s = o_k[:, None] * V + o_v[None, :]
-
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        if INDEXED_STATE:
-            # A branch on the (program-uniform) index, not a mask: a row that
-            # is not read is never touched.
-            i_r = tl.load(read_idx + i_n)
-            if (i_r >= 0) & (i_r < slots):
-                p_h0 = h0 + (i_r.to(tl.int64) * HV + i_hv) * K * V
-                b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
-        else:
-            p_h0 = h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V
-            b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
+    o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
+    b_h = load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV,
+                     USE_INITIAL_STATE, INDEXED_STATE)
 
     # Per-head gate parameters, loaded once.
     b_a = 1.
@@ -168,12 +153,5 @@ def _recurrent_sequence(
         p_v += HV * V
         p_o += HV * V
 
-    if STORE_FINAL_STATE:
-        if INDEXED_STATE:
-            i_w = tl.load(write_idx + i_n)
-            if (i_w >= 0) & (i_w < slots):
-                p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
-                tl.store(p_ht + o_s, b_h, mask=m_kv)
-        else:
-            p_ht = ht + (i_n.to(tl.int64) * HV + i_hv) * K * V
-            tl.store(p_ht + o_s, b_h, mask=m_kv)
+    store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
+                INDEXED_STATE)

@@ -1,0 +1,59 @@
+"""Reading and writing one program's [BK, BV] float32 state tile, shared by the
+chunked state kernel and the decode kernel.
+
+States are [N, HV, K, V] (or V-first [N, HV, V, K]); with INDEXED_STATE they
+are the rows of a pool, read at read_idx[n] and written at write_idx[n], and
+an index outside [0, slots) reads zeros and writes nothing. The index is a
+branch, not a mask: a row that is not read is never touched.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def state_offsets(o_v, m_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  STATE_V_FIRST: tl.constexpr):
+    """(o_k, m_k, o_s, m_kv): K offsets and mask, and the tile's element offsets
+    and mask within one [K, V] (or [V, K]) state."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    if STATE_V_FIRST:
+        o_s = o_v[None, :] * K + o_k[:, None]
+    else:
+        o_s = o_k[:, None] * V + o_v[None, :]
+    return o_k, m_k, o_s, m_k[:, None] & m_v[None, :]
+
+
+@triton.jit
+def load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               USE_INITIAL_STATE: tl.constexpr, INDEXED_STATE: tl.constexpr):
+    """Sequence i_n's initial state tile (zeros without one)."""
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        if INDEXED_STATE:
+            i_r = tl.load(read_idx + i_n)
+            if (i_r >= 0) & (i_r < slots):
+                p_h0 = h0 + (i_r.to(tl.int64) * HV + i_hv) * K * V
+                b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
+        else:
+            p_h0 = h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V
+            b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
+    return b_h
+
+
+@triton.jit
+def store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                INDEXED_STATE: tl.constexpr):
+    """Sequence i_n's final state tile."""
+    if STORE_FINAL_STATE:
+        if INDEXED_STATE:
+            i_w = tl.load(write_idx + i_n)
+            if (i_w >= 0) & (i_w < slots):
+                p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
+                tl.store(p_ht + o_s, b_h, mask=m_kv)
+        else:
+            p_ht = ht + (i_n.to(tl.int64) * HV + i_hv) * K * V
+            tl.store(p_ht + o_s, b_h, mask=m_kv)
