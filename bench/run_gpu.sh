@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, run the GPU test tier and the
-# forward benchmarks, and leave logs and JSON under $OUT.
-# Usage on the GPU machine (from the repo root): bash bench/run_gpu.sh
+# GPU work in stages, each with its own time limit, logs and JSON under $OUT.
+# Usage on the GPU machine (from the repo root): bash bench/run_gpu.sh STAGE...
+#   tests     the Triton tiers natively (forward, decode, pool, bucketed, gradients)
+#   forward   bench.forward, Triton and fla, over the dense sweep, then the varlen batch
+#   xla       bench.forward for the XLA path alone (its compiles are slow: minutes)
+#   backward  bench.backward, Triton and fla
+#   serving   bench.serving and the serving example
+#   profile   Nsight Compute per-kernel times at (1, 8192, 32)
+#   tune      bench.tune_forward's grid
+# Measured on the H200: fla's first call per shape autotunes for minutes (more
+# than 110 s for three shapes), and a machine starts without a Triton cache, so
+# give `forward` and `backward` most of a call.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -10,14 +19,42 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCAT
 # fla and torch's Triton need a writable cache directory.
 export HOME=/tmp TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest tests/test_triton_forward.py -q -ra -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
-timeout 150 ncu --clock-control none --print-summary per-kernel python3 -m bench.profile_once 2>&1 | grep -E "kda_fwd|Duration|Registers|Local" | head -40 | tee "$OUT/ncu.log"
-python3 -m kda_jax.demo --serving 2>&1 | tee "$OUT/demo_serving.log" | tail -15
-python3 -m bench.forward --json "$OUT/h200-forward.json" "$@" 2>&1 | tee "$OUT/bench_forward.log"
-python3 -m bench.forward --varlen "$(python3 -c 'from kda_jax.testing import SERVING_LENGTHS as s; print(",".join(map(str, s)))')" \
-  --json "$OUT/h200-forward-varlen.json" 2>&1 | tee -a "$OUT/bench_forward.log"
-# Serving: the bucketed form and the state pool natively, the example, then the serving benchmark.
-python3 -m pytest tests/test_bucketed.py tests/test_state_pool.py -q -ra -p no:cacheprovider 2>&1 | tee "$OUT/pytest_serving.log" | tail -15
-python3 examples/serve_loop.py --steps 200 --check 3 2>&1 | tee "$OUT/serve_loop.log" | tail -8
-python3 -m bench.serving --json "$OUT/h200-serving.json" 2>&1 | tee "$OUT/bench_serving.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader > "$OUT/gpu.txt"
+serving_lengths=$(python3 -c 'from kda_jax.testing import SERVING_LENGTHS as s; print(",".join(map(str, s)))')
+
+for stage in "$@"; do
+  echo "== $stage"
+  case "$stage" in
+    tests)
+      timeout 400 python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \
+        tests/test_state_pool.py tests/test_bucketed.py tests/test_triton_grad.py \
+        tests/test_example_train.py -q -ra -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+      tail -25 "$OUT/pytest_gpu.log" ;;
+    forward)
+      timeout 420 python3 -m bench.forward --impls triton,fla --json "$OUT/h200-forward.json" \
+        > "$OUT/bench_forward.log" 2>&1
+      timeout 120 python3 -m bench.forward --impls triton,fla --varlen "$serving_lengths" \
+        --json "$OUT/h200-forward-varlen.json" >> "$OUT/bench_forward.log" 2>&1
+      tail -16 "$OUT/bench_forward.log" ;;
+    xla)
+      timeout 500 python3 -m bench.forward --impls xla --json "$OUT/h200-forward-xla.json" \
+        > "$OUT/bench_xla.log" 2>&1
+      tail -12 "$OUT/bench_xla.log" ;;
+    backward)
+      timeout 500 python3 -m bench.backward --impls triton,fla --json "$OUT/h200-backward.json" \
+        > "$OUT/bench_backward.log" 2>&1
+      tail -12 "$OUT/bench_backward.log" ;;
+    serving)
+      timeout 300 python3 -m bench.serving --json "$OUT/h200-serving.json" > "$OUT/bench_serving.log" 2>&1
+      tail -16 "$OUT/bench_serving.log"
+      timeout 120 python3 examples/serve_loop.py --steps 200 --check 3 > "$OUT/serve_loop.log" 2>&1
+      tail -6 "$OUT/serve_loop.log" ;;
+    profile)
+      timeout 150 ncu --clock-control none --print-summary per-kernel python3 -m bench.profile_once 2>&1 \
+        | grep -E "kda_|Duration|Registers" | head -24 | tee "$OUT/ncu.log" ;;
+    tune)
+      timeout 400 python3 -m bench.tune_forward --json "$OUT/tune_forward.json" 2>&1 \
+        | grep -v Warning | tail -16 ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
