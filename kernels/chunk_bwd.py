@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import ANCHOR_SPAN, _chunk_cumsum, _dot, _row_of, _tile
+from .state_io import load_state, state_offsets, store_state
 
 
 @triton.jit
@@ -90,21 +91,12 @@ def kda_bwd_state_kernel(
     eos = tl.load(meta + off_cu + i_n + 1)
     c0 = tl.load(meta + off_co + i_n)
     n_chunks = tl.cdiv(eos - bos, BT)
-    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    m_k = o_k < K
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        if STATE_V_FIRST:
-            o_s = o_v[None, :] * K + o_k[:, None]
-        else:
-            o_s = o_k[:, None] * V + o_v[None, :]
-        p_state = (i_n.to(tl.int64) * HV + i_hv) * K * V
-        b_h = tl.load(h0 + p_state + o_s, mask=m_kv, other=0.).to(tl.float32)
+    o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
+    b_h = load_state(h0, h0, 0, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV, USE_INITIAL_STATE,
+                     False)
 
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
@@ -143,21 +135,13 @@ def kda_bwd_dstate_kernel(
     eos = tl.load(meta + off_cu + i_n + 1)
     c0 = tl.load(meta + off_co + i_n)
     n_chunks = tl.cdiv(eos - bos, BT)
-    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    m_k = o_k < K
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    if STATE_V_FIRST:
-        o_s = o_v[None, :] * K + o_k[:, None]
-    else:
-        o_s = o_k[:, None] * V + o_v[None, :]
-    p_state = (i_n.to(tl.int64) * HV + i_hv) * K * V
-
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_FINAL_GRAD:
-        b_dh = tl.load(dht + p_state + o_s, mask=m_kv, other=0.).to(tl.float32)
+    o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
+    # The final state's cotangent, laid out as the states are.
+    b_dh = load_state(dht, dht, 0, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV, USE_FINAL_GRAD,
+                      False)
 
     for s in range(0, n_chunks):
         i_t = n_chunks - 1 - s
@@ -187,8 +171,7 @@ def kda_bwd_dstate_kernel(
         b_w = tl.load(w + p_k, mask=m_tk, other=0.)
         b_dh -= _dot(tl.trans(b_w), b_dvnd, DOT)
 
-    if STORE_INITIAL_GRAD:
-        tl.store(dh0 + p_state + o_s, b_dh, mask=m_kv)
+    store_state(dh0, b_dh, dh0, 0, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_INITIAL_GRAD, False)
 
 
 @triton.jit
