@@ -127,7 +127,6 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     tokens = b * t
     f32 = jnp.float32
     dummy = jnp.zeros((4,), f32)
-    dummy_idx = jnp.zeros((4,), jnp.int32)
     meta = kernel_metadata(bounds, bt)
     n = meta.num_seqs
     indexed = pool is not None
@@ -179,28 +178,20 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
             **prep.constexprs,
         )
 
-    if indexed:
-        h0, slots = pool.cache, pool.cache.shape[0]
-        read_idx, write_idx = state_pool.read_index(pool), pool.indices
-        ht_shape = pool.cache.shape
-        aliases = {_STATE_H0_ARG: 1}  # the pool is the state output's buffer
-    else:
-        h0 = dummy if initial_state is None else initial_state.astype(f32)
-        slots, read_idx, write_idx, aliases = 0, dummy_idx, dummy_idx, None
-        ht_shape = state_shape if opts.output_final_state else (4,)
+    st = state_pool.kernel_states(pool, initial_state, state_shape, opts.output_final_state)
     o, ht = launch(
         getattr(mod, state.kernel),
-        w, u, qg, kt, aqk, gl, h0, read_idx, write_idx,
-        meta.buffer, meta.off_cu, meta.off_co, n, tokens, slots,
+        w, u, qg, kt, aqk, gl, st.h0, st.read_idx, st.write_idx,
+        meta.buffer, meta.off_cu, meta.off_co, n, tokens, st.slots,
         grid=(meta.seq_programs, hv, -(-vd // state.constexprs["BV"])),
         out_shape=[
             jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), q.dtype),
-            jax.ShapeDtypeStruct(ht_shape, f32),
+            jax.ShapeDtypeStruct(st.ht_shape, f32),
         ],
         name="kda_fwd_state_output",
         num_warps=state.num_warps,
         num_stages=state.num_stages,
-        input_output_aliases=aliases,
+        input_output_aliases={_STATE_H0_ARG: 1} if st.aliased else None,  # the pool's buffer
         **state.constexprs,
     )
     o = o.reshape(b, t, hv, vd) if tokens else jnp.zeros((b, t, hv, vd), q.dtype)

@@ -69,7 +69,6 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
     out_dtype = q.dtype
     f32 = jnp.float32
     dummy = jnp.zeros((4,), f32)
-    dummy_idx = jnp.zeros((4,), jnp.int32)
 
     meta = kernel_metadata(bounds, _META_CHUNK)
     n = meta.num_seqs
@@ -89,33 +88,25 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         has_initial_state=initial_state is not None, indexed_state=indexed,
     )
-    if indexed:
-        h0, slots = pool.cache, pool.cache.shape[0]
-        read_idx, write_idx = state_pool.read_index(pool), pool.indices
-        ht_shape = pool.cache.shape
-        aliases = {_H0_ARG: 1}  # the pool is the state output's buffer
-    else:
-        h0 = dummy if initial_state is None else initial_state.astype(f32)
-        slots, read_idx, write_idx, aliases = 0, dummy_idx, dummy_idx, None
-        state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
-        ht_shape = state_shape if opts.output_final_state else (4,)
+    state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
+    st = state_pool.kernel_states(pool, initial_state, state_shape, opts.output_final_state)
 
     o, ht = launch(
         getattr(kernels("fused_recurrent"), KERNEL),
         q, k, v, g, beta,
         dummy if A_log is None else A_log.astype(f32),
         dummy if dt_bias is None else dt_bias.astype(f32),
-        h0, read_idx, write_idx,
-        meta.buffer, meta.off_cu, n, tokens, slots,
+        st.h0, st.read_idx, st.write_idx,
+        meta.buffer, meta.off_cu, n, tokens, st.slots,
         grid=(meta.seq_programs, hv, -(-vd // consts["BV"])),
         out_shape=[
             jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), out_dtype),
-            jax.ShapeDtypeStruct(ht_shape, f32),
+            jax.ShapeDtypeStruct(st.ht_shape, f32),
         ],
         name="kda_fused_recurrent",
         num_warps=config.warps,
         num_stages=config.stages,
-        input_output_aliases=aliases,
+        input_output_aliases={_H0_ARG: 1} if st.aliased else None,  # the pool's buffer
         **consts,
     )
     o = o.reshape(b, t, hv, vd) if tokens else jnp.zeros((b, t, hv, vd), out_dtype)
