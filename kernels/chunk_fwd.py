@@ -140,12 +140,20 @@ def _decay_product(b_a, b_k, b_G, b_last, o_t, n_rows, BT: tl.constexpr, DOT: tl
 def _unit_lower_inverse(b_l, o_t, n_rows, BT: tl.constexpr):
     """(I + L)^-1 of a strictly lower [BT, BT] L, in float32 by a column
     sweep: once columns < j are applied, row j of X is final, and column j
-    of L removes L[:, j] X[j, :] from the rows below it."""
+    of L removes L[:, j] X[j, :] from the rows below it.
+
+    Two columns per step, to halve the chain of dependent steps (each waits
+    on reductions across the program): rows j and j + 1 are read together,
+    row j + 1 is finished with its one missing term -L[j + 1, j] X[j, :], and
+    both columns are applied at once."""
     b_x = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    for j in range(0, n_rows - 1):
+    for j in range(0, n_rows - 1, 2):
         b_lj = tl.sum(tl.where(o_t[None, :] == j, b_l, 0.), axis=1)
+        b_lk = tl.sum(tl.where(o_t[None, :] == j + 1, b_l, 0.), axis=1)
         b_xj = _row_of(b_x, o_t, j)
-        b_x -= b_lj[:, None] * b_xj[None, :]
+        b_xk = _row_of(b_x, o_t, j + 1)
+        b_xk -= tl.sum(tl.where(o_t == j + 1, b_lj, 0.), axis=0) * b_xj
+        b_x -= b_lj[:, None] * b_xj[None, :] + b_lk[:, None] * b_xk[None, :]
     return b_x
 
 
