@@ -21,6 +21,8 @@ if jax.default_backend() not in ("gpu", "cuda", "rocm"):
 
 from kda_jax.testing import assert_close
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 jax.config.update("jax_enable_x64", False)
 
 # (dtype name, quantity) -> {"rel_rms": (worst, test), "max_abs": (worst, test)}.
@@ -94,3 +96,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{dtype:9s} {what:12s} rel_rms={r:.2e} [{r_test}]  max_abs={m:.2e} [{m_test}]"
         )
+
+
+def run_lowering_child(test_file: str, targets: list[str]) -> dict:
+    """Runs ``test_file`` as a script in a clean child process (JAX on the CPU,
+    no interpreter mode: this session imported Triton for its interpreter,
+    which cannot compile for a GPU target) and returns the JSON it prints last.
+    The lowering tests use it; the child skips with {"skip": reason}."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KDA_JAX_INTERPRET", "TRITON_INTERPRET")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, env.get("PYTHONPATH")) if p))
+    run = subprocess.run([sys.executable, os.path.abspath(test_file), *targets], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        pytest.fail(f"lowering child failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    return result

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import zlib
 
@@ -29,7 +28,6 @@ from kda_jax import configs
 from kda_jax.bounds import SeqBounds, packed_metadata
 from kda_jax.triton import compat
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUNDS = [0, 1, 1, 17, 40]  # a length-1 and an empty sequence; T = 40
 SHAPES = dict(T=40, H=2, K=64, V=64)
 # arch -> (platform, lanes per warp on the hardware, compute capability, code object target)
@@ -161,18 +159,11 @@ def _child(archs) -> dict:
 
 @pytest.fixture(scope="module")
 def lowered():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KDA_JAX_INTERPRET", "TRITON_INTERPRET")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
-        p for p in (ROOT, env.get("PYTHONPATH")) if p))
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), *TARGETS], env=env,
-                         capture_output=True, text=True, timeout=600)
-    if run.returncode != 0:
-        pytest.fail(f"lowering child failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(result["skip"])
-    return result
+    # Imported here, not at the top: the child runs this file as a script and
+    # must not import conftest (it turns interpret mode on without a GPU).
+    from conftest import run_lowering_child
+
+    return run_lowering_child(__file__, list(TARGETS))
 
 
 @pytest.mark.parametrize("arch", list(TARGETS))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -92,18 +91,11 @@ def _child(archs) -> dict:
 
 @pytest.fixture(scope="module")
 def lowered():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KDA_JAX_INTERPRET", "TRITON_INTERPRET")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
-        p for p in (ROOT, env.get("PYTHONPATH")) if p))
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), *TARGETS], env=env,
-                         capture_output=True, text=True, timeout=600)
-    if run.returncode != 0:
-        pytest.fail(f"lowering child failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(result["skip"])
-    return result
+    # Imported here, not at the top: the child runs this file as a script and
+    # must not import conftest (it turns interpret mode on without a GPU).
+    from conftest import run_lowering_child
+
+    return run_lowering_child(__file__, list(TARGETS))
 
 
 @pytest.mark.parametrize("fn", ["chunk", "recurrent"])
