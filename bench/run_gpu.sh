@@ -8,6 +8,8 @@
 #   serving   bench.serving and the serving example
 #   profile   Nsight Compute per-kernel times at (1, 8192, 32)
 #   tune      bench.tune_forward's grid
+#   source    Nsight Compute source-level stall samples of the prepare kernel
+#   decode    bench.tune_decode's grid
 # Measured on the H200: fla's first call per shape autotunes for minutes (more
 # than 110 s for three shapes), and a machine starts without a Triton cache, so
 # give `forward` and `backward` most of a call.
@@ -52,6 +54,16 @@ for stage in "$@"; do
     profile)
       timeout 150 ncu --clock-control none --print-summary per-kernel python3 -m bench.profile_once 2>&1 \
         | grep -E "kda_|Duration|Registers" | head -24 | tee "$OUT/ncu.log" ;;
+    source)
+      timeout 240 ncu --kernel-name kda_fwd_prepare_kernel --launch-count 1 --set full \
+        --import-source yes -o "$OUT/prepare" python3 -m bench.profile_once > "$OUT/ncu_source.log" 2>&1
+      ncu --import "$OUT/prepare.ncu-rep" --page source --csv --print-source cuda,sass \
+        > "$OUT/prepare_source.csv" 2>> "$OUT/ncu_source.log"
+      ncu --import "$OUT/prepare.ncu-rep" --page details --csv > "$OUT/prepare_details.csv" 2>> "$OUT/ncu_source.log"
+      tail -3 "$OUT/ncu_source.log"; wc -l "$OUT"/prepare_*.csv ;;
+    decode)
+      timeout 240 python3 -m bench.tune_decode --json "$OUT/tune_decode.json" 2>&1 \
+        | grep -v Warning | tail -14 ;;
     tune)
       timeout 400 python3 -m bench.tune_forward --json "$OUT/tune_forward.json" 2>&1 \
         | grep -v Warning | tail -16 ;;

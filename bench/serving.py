@@ -101,7 +101,9 @@ def kda_rows(a, sets):
     # Bucketed, with the pool (donated) and with initial/final states.
     x = (q, k, v, g, beta)
     idx = jnp.asarray(np.r_[np.arange(len(sets[0])), -np.ones(nb - len(sets[0]))], jnp.int32)
-    pooled = jax.jit(lambda pool, batch, *x: kda_jax.chunk_kda(
+    # idx is an argument: a device array closed over would be embedded as a
+    # constant, which reads it back to the host at compile time.
+    pooled = jax.jit(lambda pool, batch, idx, *x: kda_jax.chunk_kda(
         *x, cu_seqlens=batch, state_cache=pool, state_indices=idx, implementation=impl),
         donate_argnums=0)
     plain = jax.jit(lambda batch, h0, *x: kda_jax.chunk_kda(
@@ -109,7 +111,7 @@ def kda_rows(a, sets):
     state = {"pool": pool0.copy()}
 
     def call_pooled(i):
-        state["o"], state["pool"] = pooled(state["pool"], batch_of(i), *x)
+        state["o"], state["pool"] = pooled(state["pool"], batch_of(i), idx, *x)
 
     t0 = time.perf_counter()
     jax.block_until_ready(plain(batch_of(0), h0, *x))

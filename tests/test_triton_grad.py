@@ -28,8 +28,13 @@ ON_GPU = not interpret_mode()
 
 # float32, as tests/test_grad.py holds the XLA path. On sm90 the products'
 # backward runs in tf32 (configs.BACKWARD: fp32 and tf32x3 spill there), so
-# float32 inputs are held to 1e-3 on a GPU.
+# float32 inputs are held to 1e-3 on a GPU, and the gate's gradients to 2e-2
+# (the bf16 bar): dg is a difference of nearly equal sums, which tf32's 2^-11
+# operand rounding leaves at about 2e-3, and dA_log / dt_bias sum it over
+# tokens and K (measured on the H200: up to 1.2e-2 for one-head dA_log).
 TOL = 1e-3 if ON_GPU else 1e-4
+TOL_FP32 = {n: TOL for n in ("q", "k", "v", "beta", "initial_state")}
+TOL_FP32.update({n: (2e-2 if ON_GPU else TOL) for n in ("g", "A_log", "dt_bias")})
 # bf16 inputs: the issue's targets (rel RMS vs the float32 reference's gradient).
 TOL_BF16 = dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2)
 ALL = ("q", "k", "v", "g", "beta", "initial_state")
@@ -137,7 +142,7 @@ def test_grad_matches_reference(name, check_rel_rms):
     x = make_inputs(17, **make_kw)
     w_o, w_f = _weights(x, call_kw)
     ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
-    failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
+    failures = _check_all(ref, got, params, wrt, TOL_FP32, check_rel_rms)
     assert not failures, f"{name}: " + "; ".join(failures)
     cu = call_kw.get("cu_seqlens")
     if cu is not None and "initial_state" in wrt:
