@@ -2,6 +2,7 @@
 # GPU work in stages, each with its own time limit, logs and JSON under $OUT.
 # Usage on the GPU machine (from the repo root): bash bench/run_gpu.sh STAGE...
 #   tests     the Triton tiers natively (forward, decode, pool, bucketed, gradients)
+#   fwdtests  the forward and decode tiers alone (about a minute)
 #   forward   bench.forward, Triton and fla, over the dense sweep, then the varlen batch
 #   xla       bench.forward for the XLA path alone (its compiles are slow: minutes)
 #   backward  bench.backward, Triton and fla
@@ -32,6 +33,10 @@ for stage in "$@"; do
         tests/test_state_pool.py tests/test_bucketed.py tests/test_triton_grad.py \
         tests/test_example_train.py -q -ra -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
       tail -25 "$OUT/pytest_gpu.log" ;;
+    fwdtests)
+      timeout 150 python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \
+        -q -ra -p no:cacheprovider > "$OUT/pytest_gpu_forward.log" 2>&1
+      tail -12 "$OUT/pytest_gpu_forward.log" ;;
     forward)
       timeout 420 python3 -m bench.forward --impls triton,fla --json "$OUT/h200-forward.json" \
         > "$OUT/bench_forward.log" 2>&1

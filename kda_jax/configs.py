@@ -34,7 +34,10 @@ class ForwardConfig:
     prepare_dot: precision of the prepare kernel's intra-chunk products Akk
       and Aqk: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32 products,
       about fp32 accuracy), "tf32" (NVIDIA only) or "bf16" (operands rounded
-      to bf16). The inverse itself is always exact fp32 arithmetic.
+      to bf16).
+    inverse_dot: precision of the products that merge the inverse's 16-row
+      diagonal blocks (which are always exact float32 sweeps): "ieee" or, on
+      NVIDIA, "tf32x3".
     prepare_wu_dot: precision of w = X (beta k e^G) and u = X (beta v).
     fp32_dot: precision of every product of the prepare kernel when the
       inputs are float32: users of float32 expect float32 accuracy, which the
@@ -54,6 +57,7 @@ class ForwardConfig:
     state_stages: int = 2
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
+    inverse_dot: str = "ieee"
     fp32_dot: str = "ieee"
     fp32_block_k: int | None = None
     state_block_v_wide: int | None = None
@@ -61,7 +65,7 @@ class ForwardConfig:
     state_stages_wide: int | None = None
 
     def __post_init__(self):
-        for name in ("prepare_dot", "prepare_wu_dot", "fp32_dot"):
+        for name in ("prepare_dot", "prepare_wu_dot", "inverse_dot", "fp32_dot"):
             value = getattr(self, name)
             if value not in DOT_MODES:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
@@ -100,7 +104,7 @@ class ForwardConfig:
 FORWARD = {
     "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                           state_block_v=32, state_warps=4, state_stages=2,
-                          prepare_dot="tf32x3", prepare_wu_dot="bf16", fp32_dot="tf32x3",
+                          prepare_dot="tf32x3", prepare_wu_dot="bf16", inverse_dot="tf32x3", fp32_dot="tf32x3",
                           fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8),
     "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                             state_block_v=32, state_warps=2, state_stages=2),
@@ -202,15 +206,20 @@ class RecurrentConfig:
     block_v: V block; the program's state tile is [K (padded), block_v] fp32
       in registers, and smaller blocks give more programs to small batches.
     warps / stages: num_warps / num_stages.
+    block_v_wide: the V block past K = 128, where the tile is twice as tall
+      (None: block_v).
     """
 
     block_v: int = 32
     warps: int = 4
     stages: int = 2
+    block_v_wide: int | None = None
 
     def __post_init__(self):
-        if self.block_v < 8 or self.block_v & (self.block_v - 1):
-            raise ValueError(f"block_v={self.block_v} must be a power of two >= 8")
+        for name in ("block_v", "block_v_wide"):
+            value = getattr(self, name)
+            if value is not None and (value < 8 or value & (value - 1)):
+                raise ValueError(f"{name}={value} must be a power of two >= 8")
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"warps={self.warps} must be one of 1, 2, 4, 8, 16")
         if self.stages < 1:
@@ -221,7 +230,12 @@ class RecurrentConfig:
 # per lane (64 at K = 256): 4 warps of 32 on sm90 and gfx1250 (wave32), 2
 # waves of 64 on gfx950 and gfx942.
 RECURRENT = {
-    "sm90": RecurrentConfig(block_v=32, warps=4, stages=2),
+    # sm90: bench.tune_decode on the H200 (H = 32, K = V = 128, dense decode,
+    # N = 256 / 1024): 64 wide, 4 warps 0.359 / 1.347 ms against 0.375 / 1.442
+    # at 32 wide, 4 warps; 64 wide, 2 warps (0.307 / 1.147) and 1 warp spill
+    # (kda_jax.aot), 8 and 16 wide are 2-4x slower. Past K = 128, 64 wide
+    # spills too: 32 there.
+    "sm90": RecurrentConfig(block_v=64, warps=4, stages=2, block_v_wide=32),
     "gfx950": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx1250": RecurrentConfig(block_v=32, warps=4, stages=2),
@@ -291,8 +305,8 @@ class BackwardConfig:
     """Launch parameters of the six backward kernels.
 
     prepare_*: the recompute of w, u, qg, kt, Aqk, gl and X (as the forward's
-      prepare kernel: K slice, warps, stages; prepare_dot and prepare_wu_dot
-      as the forward's).
+      prepare kernel: K slice, warps, stages; prepare_dot, prepare_wu_dot and
+      inverse_dot as the forward's).
     state_block_v / state_warps / state_stages: both state passes (forward
       h and reverse dS; one program per sequence, head and V block).
     inter_block_k / inter_block_v / inter_warps: the per-chunk state terms
@@ -314,6 +328,7 @@ class BackwardConfig:
     prepare_stages: int = 1
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
+    inverse_dot: str = "ieee"
     state_block_v: int = 32
     state_warps: int = 4
     state_stages: int = 2
@@ -330,7 +345,8 @@ class BackwardConfig:
     fp32_dot: str = "ieee"
 
     def __post_init__(self):
-        for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "wy_dot", "fp32_dot"):
+        for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "inverse_dot", "wy_dot",
+                     "fp32_dot"):
             if getattr(self, name) not in DOT_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of "
                                  f"{', '.join(DOT_MODES)}")
@@ -352,8 +368,9 @@ BACKWARD = {
     # warp count and K block tried, 4-16 warps, 16-32 wide); float32
     # intermediates in the state passes and the inter kernel take tf32x3.
     # No kernel spills on any target (kda_jax.aot).
-    "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=8, prepare_dot="tf32x3",
-                           prepare_wu_dot="tf32x3", state_block_v=16, inter_block_k=32,
+    "sm90": BackwardConfig(prepare_block_k=16, prepare_warps=4, prepare_dot="tf32x3",
+                           prepare_wu_dot="tf32x3", inverse_dot="tf32x3", state_block_v=16,
+                           inter_block_k=32,
                            wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="ieee",
                            intra_block_k=16, intra_warps=8, product_dot="tf32",
                            fp32_dot="tf32x3"),

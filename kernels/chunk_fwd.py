@@ -136,24 +136,39 @@ def _decay_product(b_a, b_k, b_G, b_last, o_t, n_rows, BT: tl.constexpr, DOT: tl
     return b_out
 
 
-@triton.jit
-def _unit_lower_inverse(b_l, o_t, n_rows, BT: tl.constexpr):
-    """(I + L)^-1 of a strictly lower [BT, BT] L, in float32 by a column
-    sweep: once columns < j are applied, row j of X is final, and column j
-    of L removes L[:, j] X[j, :] from the rows below it.
+# Diagonal block of the blocked inverse: a sweep of BB - 1 steps inverts all of
+# them at once, and BT / BB blocks merge in BT / BB - 1 products.
+BB = tl.constexpr(16)
 
-    Two columns per step, to halve the chain of dependent steps (each waits
-    on reductions across the program): rows j and j + 1 are read together,
-    row j + 1 is finished with its one missing term -L[j + 1, j] X[j, :], and
-    both columns are applied at once."""
+
+@triton.jit
+def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
+    """(I + L)^-1 of a strictly lower [BT, BT] L, blocked by BB rows.
+
+    The diagonal blocks B = I + L_d first, all of them together, by a column
+    sweep in float32: once columns < j of a block are applied, its row j of X
+    is final, and its column j of L removes L[:, j] X[j, :] from the rows below
+    (BB - 1 dependent steps, each one reduction across the program for the
+    rows and one within rows for the columns). Then with D = B^-1 and E the
+    part of L below the diagonal blocks, I + L = B (I + M) with M = D E
+    strictly block-lower, so M^(BT/BB) = 0 and
+        (I + L)^-1 = (I - M + M^2 - ...) D = D - M (D - M (D - ...)),
+    BT/BB - 1 products after M's (precision DOT_INV)."""
+    b_blk_r = (o_t // BB) * BB
+    m_blk = b_blk_r[:, None] == b_blk_r[None, :]
+    b_ld = tl.where(m_blk, b_l, 0.)
     b_x = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    for j in range(0, n_rows - 1, 2):
-        b_lj = tl.sum(tl.where(o_t[None, :] == j, b_l, 0.), axis=1)
-        b_lk = tl.sum(tl.where(o_t[None, :] == j + 1, b_l, 0.), axis=1)
-        b_xj = _row_of(b_x, o_t, j)
-        b_xk = _row_of(b_x, o_t, j + 1)
-        b_xk -= tl.sum(tl.where(o_t == j + 1, b_lj, 0.), axis=0) * b_xj
-        b_x -= b_lj[:, None] * b_xj[None, :] + b_lk[:, None] * b_xk[None, :]
+    for j in range(0, BB - 1):
+        # L[i, block(i) + j] per row i; X[block(c) + j, c] per column c.
+        b_lc = tl.sum(tl.where(o_t[None, :] == b_blk_r[:, None] + j, b_ld, 0.), axis=1)
+        b_xr = tl.sum(tl.where(o_t[:, None] == b_blk_r[None, :] + j, b_x, 0.), axis=0)
+        b_x -= tl.where(m_blk, b_lc[:, None] * b_xr[None, :], 0.)
+    if BT > BB:
+        b_m = _dot(b_x, tl.where(m_blk, 0., b_l), DOT_INV)
+        b_y = b_x - _dot(b_m, b_x, DOT_INV)
+        for _ in tl.static_range(BT // BB - 2):
+            b_y = b_x - _dot(b_m, b_y, DOT_INV)
+        b_x = b_y
     return b_x
 
 
@@ -166,7 +181,7 @@ def kda_fwd_prepare_kernel(
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
-    DOT_A: tl.constexpr, DOT_WU: tl.constexpr, STORE_X: tl.constexpr,
+    DOT_A: tl.constexpr, DOT_WU: tl.constexpr, DOT_INV: tl.constexpr, STORE_X: tl.constexpr,
 ):
     """One program per (chunk, value head). With STORE_X it also writes
     X = (I + L)^-1 (fp32, [T, HV, BT]) for the backward; x is unused otherwise."""
@@ -222,6 +237,8 @@ def kda_fwd_prepare_kernel(
              b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
     # Pass 2: Akk, then X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
+    # beta * k * exp(G) goes to w's rows now, while G is at hand, and pass 3
+    # reads it back: one chunk cumsum and one k tile fewer per K slice.
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
@@ -231,23 +248,26 @@ def kda_fwd_prepare_kernel(
         b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
         b_last = _row_of(b_G, o_t, BT - 1)
         b_akk += _decay_product(b_k, b_k, b_G, b_last, o_t, n_rows, BT, DOT_A)
+        p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
+        tl.store(w + p_tk, (b_k * b_b[:, None] * tl.exp(b_G)).to(w.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
-    b_x = _unit_lower_inverse(b_l, o_t, n_rows, BT)
+    b_x = _unit_lower_inverse(b_l, o_t, BT, DOT_INV)
     if STORE_X:
         tl.store(x + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :], b_x, mask=m_t[:, None])
     if DOT_WU == 3:
         b_x = b_x.to(tl.bfloat16).to(tl.float32)  # rounded once, not per product
 
-    # Pass 3: w = X (beta * k * exp(G)), recomputing G per K slice.
+    # Pass 3: w = X (beta * k * exp(G)), from the rows pass 2 stored (the
+    # barrier makes every thread's stores visible to the whole program).
+    tl.debug_barrier()
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
-        m_k = o_k < K
-        b_G = _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K, USE_GATE,
-                            HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND)
-        b_kb = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * (b_sk * b_b)[:, None] * tl.exp(b_G)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        tl.store(w + p_tk, _dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty),
-                 mask=m_t[:, None] & m_k[None, :])
+        b_kb = tl.load(w + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        tl.debug_barrier()  # every read of the slice before any write over it
+        tl.store(w + p_tk, _dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty), mask=m_tk)
 
     # Pass 4: u = X (beta * v).
     for vs in range(0, V, BV):

@@ -52,7 +52,8 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     fwd = ForwardConfig(
         prepare_block_k=config.prepare_block_k, prepare_warps=config.prepare_warps,
         prepare_stages=config.prepare_stages, prepare_dot=config.prepare_dot,
-        prepare_wu_dot=config.prepare_wu_dot, fp32_dot=config.fp32_dot)
+        prepare_wu_dot=config.prepare_wu_dot, inverse_dot=config.inverse_dot,
+        fp32_dot=config.fp32_dot)
     prepare, _ = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=plain, config=fwd, work=work,
                                   has_a_log=False, has_dt_bias=False,
                                   has_initial_state=False, store_x=True)

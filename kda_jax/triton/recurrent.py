@@ -41,7 +41,8 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     return dict(
         H=h, HV=hv, K=kd, V=vd,
         BK=_pow2(max(kd, 16)),
-        BV=min(_pow2(max(vd, 8)), config.block_v),
+        BV=min(_pow2(max(vd, 8)), config.block_v if kd <= 128 or config.block_v_wide is None
+               else config.block_v_wide),
         SCALE=float(opts.scale),
         USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
         HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
