@@ -287,20 +287,19 @@ class PackedTables:
 
 def pack_int32_tables(tables: dict[str, np.ndarray]) -> PackedTables:
     """Packs int tables into one int32 buffer with 16-byte aligned blocks."""
-    layout, pieces, cursor = [], [], 0
+    layout, flats, cursor = [], [], 0
     for name, table in tables.items():
         table = np.asarray(table)
         if table.size and (table.min() < np.iinfo(np.int32).min or table.max() > _INT32_MAX):
             raise ValueError(f"table {name!r} has values outside int32")
-        flat = table.astype(np.int32).ravel()
-        padded = -(-flat.size // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
         layout.append((name, cursor, tuple(int(d) for d in table.shape)))
-        pieces.append(np.pad(flat, (0, padded - flat.size)))
-        cursor += padded
-    buffer = np.concatenate(pieces) if pieces else np.zeros((0,), np.int32)
-    if buffer.size == 0:
-        buffer = np.zeros((ALIGN_ELEMENTS,), np.int32)
-    buffer = buffer.astype(np.int32)
+        flats.append(table.ravel())
+        cursor += -(-table.size // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    # One zeroed buffer filled in place: serving builds one per step, and
+    # per-block padding and concatenation cost more than the tables.
+    buffer = np.zeros((max(cursor, ALIGN_ELEMENTS),), np.int32)
+    for (_, offset, _), flat in zip(layout, flats):
+        buffer[offset:offset + flat.size] = flat
     buffer.setflags(write=False)
     return PackedTables(buffer=buffer, layout=tuple(layout))
 
