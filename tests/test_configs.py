@@ -51,7 +51,30 @@ def test_unknown_arch_is_named():
     (dict(state_stages=0), "state_stages=0 must be one of"),
     (dict(prepare_dot="fp16"), "prepare_dot='fp16' must be one of"),
     (dict(fp32_dot="tf64"), "fp32_dot='tf64' must be one of"),
+    (dict(inverse_dot="tf16"), "inverse_dot='tf16' must be one of"),
 ])
 def test_forward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         configs.ForwardConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_v=12), "block_v=12 must be a power of two"),
+    (dict(block_v_wide=4), "block_v_wide=4 must be a power of two"),
+    (dict(warps=3), "warps=3 must be one of"),
+])
+def test_recurrent_config_refuses_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        configs.RecurrentConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kd, bv", [(128, 64), (100, 64), (129, 32), (256, 32)])
+def test_decode_v_block_narrows_past_k_128(kd, bv):
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton.recurrent import recurrent_constexprs
+
+    config = configs.RecurrentConfig(block_v=64, block_v_wide=32)
+    c = recurrent_constexprs(h=2, hv=2, kd=kd, vd=128, opts=KdaOptions(scale=0.1), config=config,
+                             has_a_log=False, has_dt_bias=False, has_initial_state=True,
+                             indexed_state=False)
+    assert c["BV"] == bv
