@@ -10,6 +10,7 @@ relative RMS tolerance (the failure names it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import kda_jax
+from kda_jax import configs
 from kda_jax.testing import TOLERANCES, make_inputs
 from kda_jax.triton import interpret_mode, unavailable_reason
 
@@ -32,6 +34,8 @@ ON_GPU = not interpret_mode()
 # (the bf16 bar): dg is a difference of nearly equal sums, which tf32's 2^-11
 # operand rounding leaves at about 2e-3, and dA_log / dt_bias sum it over
 # tokens and K (measured on the H200: up to 1.2e-2 for one-head dA_log).
+# test_gate_grads_meet_fp32_bar_with_fp32_grade_products holds the same cases
+# to 1e-3 with fp32-grade products.
 TOL = 1e-3 if ON_GPU else 1e-4
 TOL_FP32 = {n: TOL for n in ("q", "k", "v", "beta", "initial_state")}
 TOL_FP32.update({n: (2e-2 if ON_GPU else TOL) for n in ("g", "A_log", "dt_bias")})
@@ -149,6 +153,23 @@ def test_grad_matches_reference(name, check_rel_rms):
         # An empty sequence's final state is its initial state: the gradient is w2.
         empty = np.diff(cu) == 0
         np.testing.assert_array_equal(np.asarray(got["initial_state"])[empty], w_f[empty])
+
+
+@pytest.mark.parametrize("name", ["gate-softplus-Alog-dtbias", "gate-lb-Alog-dtbias-c64"])
+def test_gate_grads_meet_fp32_bar_with_fp32_grade_products(name, check_rel_rms):
+    """The gate's gradients are held to 2e-2 on a GPU above because sm90's
+    products' backward runs in tf32; with fp32-grade (tf32x3) products, which
+    spill there and are not shipped, every gradient meets the 1e-3 bar: the
+    gap is tf32 rounding, not an error in the kernels."""
+    make_kw, call_kw, chunk, wrt = CASES[name]
+    x = make_inputs(17, **make_kw)
+    w_o, w_f = _weights(x, call_kw)
+    precise = dataclasses.replace(configs.backward_config(chunk_size=chunk),
+                                  product_dot="tf32x3" if ON_GPU else "ieee")
+    with configs.override_backward(precise):
+        ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
+    failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
+    assert not failures, f"{name}: " + "; ".join(failures)
 
 
 @pytest.mark.parametrize("chunk", [32, 64])
