@@ -132,7 +132,7 @@ _ARGS = {
         ("A_log", "*fp32"), ("dt_bias", "*fp32"), ("meta", "*i32"),
         ("off_cu", "i32"), ("off_ct", "i32"),
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
-        ("gl", "*fp32"), ("x", "*fp32"),
+        ("gl", "*fp32"), ("x", "*fp32"), ("gc", "*fp32"),
     ),
     "kda_fwd_state_output_kernel": (
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),

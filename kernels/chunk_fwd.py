@@ -13,6 +13,7 @@ Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV];
   w, qg, kt [T, HV, K]; u [T, HV, V]; aqk [T, HV, BT]; gl [NC, HV, K] fp32;
   x [T, HV, BT] fp32 (the inverse, for the backward's recompute only);
+  gc [T, HV, K] fp32 (the prepare kernel's scratch: G);
   states [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST) fp32.
 Varlen comes from one int32 metadata buffer: cu_seqlens at ``off_cu``,
 chunk_offsets at ``off_co`` and the (sequence, chunk) table at ``off_ct``.
@@ -111,15 +112,16 @@ def _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _decay_product(b_a, b_k, b_G, b_last, o_t, n_rows, BT: tl.constexpr, DOT: tl.constexpr):
+def _decay_product(b_a, b_k, b_G, b_A, b_last, o_t, n_rows, BT: tl.constexpr,
+                   DOT: tl.constexpr):
     """[BT, BT]: a_i . k_j e^(G_i - G_j) on and below the diagonal (garbage
-    above it, masked by the caller), for one K slice.
+    above it, masked by the caller), for one K slice (b_A, b_last: the rows
+    of G at the anchor and at the chunk's end).
 
     While the slice's gates allow, one matrix product through the anchor A
     (the middle row's G): the row factor e^(G_i - A) and the column factor
     e^(A - G_j) each stay within e^(+-ANCHOR_SPAN). Otherwise column by column
     with pairwise differences G_i - G_j <= 0: exact for any gate, slow."""
-    b_A = _row_of(b_G, o_t, BT // 2 - 1)
     b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
     if b_span <= ANCHOR_SPAN:
         b_kc = b_k * tl.exp(b_A[None, :] - b_G)
@@ -175,7 +177,7 @@ def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
 @triton.jit
 def kda_fwd_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, meta, off_cu, off_ct,
-    w, u, qg, kt, aqk, gl, x,
+    w, u, qg, kt, aqk, gl, x, gc,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
@@ -184,7 +186,11 @@ def kda_fwd_prepare_kernel(
     DOT_A: tl.constexpr, DOT_WU: tl.constexpr, DOT_INV: tl.constexpr, STORE_X: tl.constexpr,
 ):
     """One program per (chunk, value head). With STORE_X it also writes
-    X = (I + L)^-1 (fp32, [T, HV, BT]) for the backward; x is unused otherwise."""
+    X = (I + L)^-1 (fp32, [T, HV, BT]) for the backward; x is unused otherwise.
+    gc [T, HV, K] fp32 is scratch: the chunk-local cumsum G, written in pass 1
+    and read back after a barrier, so that its anchor and last rows are loads
+    (taking a row out of a register tile is a reduction across the program)
+    and pass 2 reads G instead of recomputing it."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n = tl.load(meta + off_ct + 2 * i_c)
@@ -197,6 +203,10 @@ def kda_fwd_prepare_kernel(
     rows = t0 + o_t
     m_t = o_t < n_rows
     r64 = rows.to(tl.int64)
+    # G's anchor row (the middle row, or the last one of a shorter chunk) and
+    # last row; rows past the sequence repeat the last (they add no decay).
+    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
+    r_last = (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
 
     # beta, transformed; rows past the sequence get 0 (no update).
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
@@ -221,12 +231,15 @@ def kda_fwd_prepare_kernel(
         m_k = o_k < K
         b_G = _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K, USE_GATE,
                             HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND)
-        b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
-        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        b_last = _row_of(b_G, o_t, BT - 1)
-        b_aqk += _decay_product(b_q, b_k, b_G, b_last, o_t, n_rows, BT, DOT_A)
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
+        tl.store(gc + p_tk, b_G, mask=m_tk)
+        b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
+        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
+        tl.debug_barrier()  # G's rows, stored by every thread, read by all
+        b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
+        b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
+        b_aqk += _decay_product(b_q, b_k, b_G, b_A, b_last, o_t, n_rows, BT, DOT_A)
         tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
         tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kt + p_tk, (b_k * tl.exp(b_last[None, :] - b_G)).to(kt.dtype.element_ty),
@@ -236,19 +249,20 @@ def kda_fwd_prepare_kernel(
     tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
              b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
-    # Pass 2: Akk, then X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
-    # beta * k * exp(G) goes to w's rows now, while G is at hand, and pass 3
-    # reads it back: one chunk cumsum and one k tile fewer per K slice.
+    # Pass 2: Akk from G as pass 1 stored it, then X = (I + L)^-1 with
+    # L = diag(beta) strict_lower(Akk). beta * k * exp(G) goes to w's rows now,
+    # and pass 3 reads it back: one G and one k tile fewer per K slice.
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
-        b_G = _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K, USE_GATE,
-                            HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND)
-        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        b_last = _row_of(b_G, o_t, BT - 1)
-        b_akk += _decay_product(b_k, b_k, b_G, b_last, o_t, n_rows, BT, DOT_A)
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
+        b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
+        b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
+        b_G = tl.load(gc + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.)
+        b_G = tl.where(m_t[:, None], b_G, b_last[None, :])
+        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
+        b_akk += _decay_product(b_k, b_k, b_G, b_A, b_last, o_t, n_rows, BT, DOT_A)
         tl.store(w + p_tk, (b_k * b_b[:, None] * tl.exp(b_G)).to(w.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)

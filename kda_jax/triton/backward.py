@@ -151,13 +151,14 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     tk_shape, tv_shape = (tokens, hv, kd), (tokens, hv, vd)
     # The forward's prepare kernel on the transformed inputs, also storing X.
     prep = recompute_launch(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work)
-    w, u, qg, kt, aqk, gl, x = launch(
+    w, u, qg, kt, aqk, gl, x, _ = launch(
         getattr(kernels("chunk_fwd"), prep.kernel),
         q, k, v, g, beta, dummy, dummy, meta_dev, off_cu, off_ct,
         grid=(n_chunks, hv, 1),
         out_shape=[sds(tk_shape, work), sds(tv_shape, work), sds(tk_shape, work),
                    sds(tk_shape, work), sds((tokens, hv, bt), work),
-                   sds((n_chunks, hv, kd), f32), sds((tokens, hv, bt), f32)],
+                   sds((n_chunks, hv, kd), f32), sds((tokens, hv, bt), f32),
+                   sds(tk_shape, f32)],  # the last: the kernel's G scratch
         name="kda_bwd_recompute", num_warps=prep.num_warps, num_stages=prep.num_stages,
         **prep.constexprs)
 

@@ -156,7 +156,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     else:
         flat = lambda x: x.reshape((tokens,) + x.shape[2:])
         q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
-        w, u, qg, kt, aqk, gl, _ = launch(
+        w, u, qg, kt, aqk, gl, _, _ = launch(
             getattr(mod, prep.kernel),
             q, k, v, g, beta,
             dummy if A_log is None else A_log.astype(f32),
@@ -171,6 +171,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                 jax.ShapeDtypeStruct((tokens, hv, bt), work),
                 jax.ShapeDtypeStruct((meta.chunk_programs, hv, kd), f32),
                 jax.ShapeDtypeStruct((4,), f32),  # x: not stored in the forward
+                jax.ShapeDtypeStruct((tokens, hv, kd), f32),  # gc: the kernel's scratch
             ],
             name="kda_fwd_prepare",
             num_warps=prep.num_warps,
