@@ -21,6 +21,14 @@ ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
 DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16")
 
 
+def _check_fp32_grade(inverse_dot: str):
+    """The inverse's merge compounds rounding through nilpotent powers: only
+    the float32-grade modes are allowed there."""
+    if inverse_dot not in ("ieee", "tf32x3"):
+        raise ValueError(f"inverse_dot={inverse_dot!r} must be 'ieee' or 'tf32x3' (the "
+                         "inverse needs float32-grade products)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     """Launch parameters of the two forward kernels.
@@ -69,6 +77,7 @@ class ForwardConfig:
             value = getattr(self, name)
             if value not in DOT_MODES:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
+        _check_fp32_grade(self.inverse_dot)
         optional = ("fp32_block_k", "state_block_v_wide", "state_warps_wide", "state_stages_wide")
         for name in ("prepare_block_k", "state_block_v", "fp32_block_k", "state_block_v_wide"):
             value = getattr(self, name)
@@ -104,7 +113,8 @@ class ForwardConfig:
 FORWARD = {
     "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                           state_block_v=32, state_warps=4, state_stages=2,
-                          prepare_dot="tf32x3", prepare_wu_dot="bf16", inverse_dot="tf32x3", fp32_dot="tf32x3",
+                          prepare_dot="tf32x3", prepare_wu_dot="bf16", inverse_dot="tf32x3",
+                          fp32_dot="tf32x3",
                           fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8),
     "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                             state_block_v=32, state_warps=2, state_stages=2),
@@ -352,6 +362,7 @@ class BackwardConfig:
             if getattr(self, name) not in DOT_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of "
                                  f"{', '.join(DOT_MODES)}")
+        _check_fp32_grade(self.inverse_dot)
         for name in ("prepare_block_k", "state_block_v", "inter_block_k", "inter_block_v",
                      "wy_block_k", "wy_block_v", "intra_block_k"):
             value = getattr(self, name)

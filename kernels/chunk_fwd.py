@@ -237,8 +237,9 @@ def kda_fwd_prepare_kernel(
         b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
         b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
         tl.debug_barrier()  # G's rows, stored by every thread, read by all
-        b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
-        b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
+        m_kr = m_k & (o_k * 0 < n_rows)  # no row to read in a padded chunk
+        b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
+        b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
         b_aqk += _decay_product(b_q, b_k, b_G, b_A, b_last, o_t, n_rows, BT, DOT_A)
         tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
         tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
@@ -257,8 +258,9 @@ def kda_fwd_prepare_kernel(
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
-        b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
+        m_kr = m_k & (o_k * 0 < n_rows)
+        b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
+        b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
         b_G = tl.load(gc + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.)
         b_G = tl.where(m_t[:, None], b_G, b_last[None, :])
         b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]

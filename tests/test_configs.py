@@ -52,6 +52,7 @@ def test_unknown_arch_is_named():
     (dict(prepare_dot="fp16"), "prepare_dot='fp16' must be one of"),
     (dict(fp32_dot="tf64"), "fp32_dot='tf64' must be one of"),
     (dict(inverse_dot="tf16"), "inverse_dot='tf16' must be one of"),
+    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee' or 'tf32x3'"),
 ])
 def test_forward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
