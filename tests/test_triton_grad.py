@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +31,14 @@ ON_GPU = not interpret_mode()
 
 # float32, as tests/test_grad.py holds the XLA path. On sm90 the products'
 # backward runs in tf32 (configs.BACKWARD: fp32 and tf32x3 spill there), so
-# float32 inputs are held to 1e-3 on a GPU, and the gate's gradients to 2e-2
-# (the bf16 bar): dg is a difference of nearly equal sums, which tf32's 2^-11
-# operand rounding leaves at about 2e-3, and dA_log / dt_bias sum it over
-# tokens and K (measured on the H200: up to 1.2e-2 for one-head dA_log).
-# test_gate_grads_meet_fp32_bar_with_fp32_grade_products holds the same cases
-# to 1e-3 with fp32-grade products.
+# float32 inputs are held to 1e-3 on a GPU. The gate's gradients miss that bar
+# under tf32 products (measured on the H200: dg 2e-3, dA_log / ddt_bias up to
+# 1.2e-2; dg is a difference of nearly equal sums): test_grad_matches_reference
+# reports them as an expected failure there, every other gradient still held
+# to 1e-3, and test_gate_grads_meet_fp32_bar_with_fp32_grade_products holds the
+# same cases to 1e-3 with fp32-grade products.
 TOL = 1e-3 if ON_GPU else 1e-4
-TOL_FP32 = {n: TOL for n in ("q", "k", "v", "beta", "initial_state")}
-TOL_FP32.update({n: (2e-2 if ON_GPU else TOL) for n in ("g", "A_log", "dt_bias")})
+GATE_PARAMS = ("g", "A_log", "dt_bias")
 # bf16 inputs: the issue's targets (rel RMS vs the float32 reference's gradient).
 TOL_BF16 = dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2)
 ALL = ("q", "k", "v", "g", "beta", "initial_state")
@@ -127,6 +127,11 @@ def _grads(x, call_kw, chunk, wrt, w_o, w_f, final=True):
     return ref, got, params
 
 
+def _tf32_products() -> bool:
+    """Whether the shipped backward's products run in tf32 here (sm90)."""
+    return ON_GPU and configs.backward_config().product_dot == "tf32"
+
+
 def _check_all(ref, got, params, wrt, tol, check_rel_rms, kind="grad"):
     failures = []
     for n in wrt:
@@ -146,7 +151,15 @@ def test_grad_matches_reference(name, check_rel_rms):
     x = make_inputs(17, **make_kw)
     w_o, w_f = _weights(x, call_kw)
     ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
-    failures = _check_all(ref, got, params, wrt, TOL_FP32, check_rel_rms)
+    failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
+    if failures and _tf32_products():
+        # Expected only for the gate's gradients and only at tf32's scale (the
+        # bf16 bar, 2e-2): anything else is a failure.
+        gate = {f"d{n}" for n in GATE_PARAMS}
+        within = lambda f: (m := re.search(r"rel_rms=(\S+)", f)) and float(m.group(1)) <= 2e-2
+        rest = [f for f in failures if f.split(":")[0] not in gate or not within(f)]
+        assert not rest, f"{name}: " + "; ".join(rest)
+        pytest.xfail(f"{name}: tf32 products of the backward: " + "; ".join(failures))
     assert not failures, f"{name}: " + "; ".join(failures)
     cu = call_kw.get("cu_seqlens")
     if cu is not None and "initial_state" in wrt:
