@@ -112,18 +112,18 @@ def _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _decay_product(b_a, b_k, b_G, b_A, b_last, o_t, n_rows, BT: tl.constexpr,
+def _decay_product(b_a, b_k, b_G, b_A, FAST, o_t, n_rows, BT: tl.constexpr,
                    DOT: tl.constexpr):
     """[BT, BT]: a_i . k_j e^(G_i - G_j) on and below the diagonal (garbage
-    above it, masked by the caller), for one K slice (b_A, b_last: the rows
-    of G at the anchor and at the chunk's end).
+    above it, masked by the caller), for one K slice (b_A: the row of G at
+    the anchor).
 
-    While the slice's gates allow, one matrix product through the anchor A
-    (the middle row's G): the row factor e^(G_i - A) and the column factor
-    e^(A - G_j) each stay within e^(+-ANCHOR_SPAN). Otherwise column by column
-    with pairwise differences G_i - G_j <= 0: exact for any gate, slow."""
-    b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
-    if b_span <= ANCHOR_SPAN:
+    FAST (the chunk's gates allow it, see ``_anchor_span_ok``): one matrix
+    product through the anchor A (the middle row's G): the row factor
+    e^(G_i - A) and the column factor e^(A - G_j) each stay within
+    e^(+-ANCHOR_SPAN). Otherwise column by column with pairwise differences
+    G_i - G_j <= 0: exact for any gate, slow."""
+    if FAST:
         b_kc = b_k * tl.exp(b_A[None, :] - b_G)
         b_out = _dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
     else:
@@ -136,6 +136,24 @@ def _decay_product(b_a, b_k, b_G, b_A, b_last, o_t, n_rows, BT: tl.constexpr,
             b_col = tl.sum(b_a * b_ke * b_kj[None, :], axis=1)
             b_out += tl.where(o_t[None, :] == j, b_col[:, None], 0.)
     return b_out
+
+
+@triton.jit
+def _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV: tl.constexpr, K: tl.constexpr):
+    """G's anchor row and last row over the K slice o_k, from the scratch gc
+    (zeros in a padded chunk, which has no rows)."""
+    m_kr = m_k & (o_k * 0 < n_rows)
+    b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
+    b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
+    return b_A, b_last
+
+
+@triton.jit
+def _g_tile(gc, p_tk, m_t, m_k, b_last):
+    """G [BT, BK] from the scratch gc; rows past the sequence repeat the last
+    row (they add no decay, and keep every anchored factor bounded)."""
+    b_G = tl.load(gc + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.)
+    return tl.where(m_t[:, None], b_G, b_last[None, :])
 
 
 # Diagonal block of the blocked inverse: a sweep of BB - 1 steps inverts all of
@@ -187,10 +205,10 @@ def kda_fwd_prepare_kernel(
 ):
     """One program per (chunk, value head). With STORE_X it also writes
     X = (I + L)^-1 (fp32, [T, HV, BT]) for the backward; x is unused otherwise.
-    gc [T, HV, K] fp32 is scratch: the chunk-local cumsum G, written in pass 1
+    gc [T, HV, K] fp32 is scratch: the chunk-local cumsum G, written in pass 0
     and read back after a barrier, so that its anchor and last rows are loads
     (taking a row out of a register tile is a reduction across the program)
-    and pass 2 reads G instead of recomputing it."""
+    and passes 1 and 2 read G instead of recomputing it."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n = tl.load(meta + off_ct + 2 * i_c)
@@ -221,27 +239,42 @@ def kda_fwd_prepare_kernel(
         b_sq = _inv_norm(q, rows, m_t, i_h, H, K, BK, BT)
         b_sk = _inv_norm(k, rows, m_t, i_h, H, K, BK, BT)
 
-    # Pass 1 over K slices: Aqk, q*exp(G)*scale, k*exp(G_last - G) and
-    # exp(G_last). Aqk and Akk get a pass each, so only one [BT, BT]
-    # accumulator is live at a time (registers, not loads, bound this kernel).
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    # Pass 0: G, the chunk-local cumsum of the log-decay, into the scratch
+    # gc; then, from its anchor and last rows, exp(G_last) and one test for
+    # the whole chunk of whether the anchored products are safe (a reduction
+    # across the program is a barrier: one per chunk, not one per slice).
     p_hk = i_hv * K
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
         b_G = _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K, USE_GATE,
                             HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND)
+        p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
+        tl.store(gc + p_tk, b_G, mask=m_t[:, None] & m_k[None, :])
+    tl.debug_barrier()  # G's rows, stored by every thread, read by all
+    b_span = tl.zeros([BK], dtype=tl.float32)
+    for ks in tl.static_range(0, K, BK):  # unrolled: the row loads go out together
+        o_k = ks + tl.arange(0, BK)
+        m_k = o_k < K
+        b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
+        b_span = tl.maximum(b_span, tl.maximum(-b_A, b_A - b_last))
+        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
+    fast = tl.max(b_span, axis=0) <= ANCHOR_SPAN
+
+    # Pass 1 over K slices: Aqk, q*exp(G)*scale and k*exp(G_last - G).
+    # Aqk and Akk get a pass each, so only one [BT, BT] accumulator is live
+    # at a time (registers, not loads, bound this kernel).
+    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for ks in range(0, K, BK):
+        o_k = ks + tl.arange(0, BK)
+        m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        tl.store(gc + p_tk, b_G, mask=m_tk)
+        b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
+        b_G = _g_tile(gc, p_tk, m_t, m_k, b_last)
         b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
         b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        tl.debug_barrier()  # G's rows, stored by every thread, read by all
-        m_kr = m_k & (o_k * 0 < n_rows)  # no row to read in a padded chunk
-        b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
-        b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
-        b_aqk += _decay_product(b_q, b_k, b_G, b_A, b_last, o_t, n_rows, BT, DOT_A)
-        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
+        b_aqk += _decay_product(b_q, b_k, b_G, b_A, fast, o_t, n_rows, BT, DOT_A)
         tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kt + p_tk, (b_k * tl.exp(b_last[None, :] - b_G)).to(kt.dtype.element_ty),
                  mask=m_tk)
@@ -250,21 +283,18 @@ def kda_fwd_prepare_kernel(
     tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
              b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
-    # Pass 2: Akk from G as pass 1 stored it, then X = (I + L)^-1 with
-    # L = diag(beta) strict_lower(Akk). beta * k * exp(G) goes to w's rows now,
-    # and pass 3 reads it back: one G and one k tile fewer per K slice.
+    # Pass 2: Akk, then X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
+    # beta * k * exp(G) goes to w's rows now, and pass 3 reads it back: one G
+    # and one k tile fewer per K slice.
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        m_kr = m_k & (o_k * 0 < n_rows)
-        b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
-        b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
-        b_G = tl.load(gc + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.)
-        b_G = tl.where(m_t[:, None], b_G, b_last[None, :])
+        b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
+        b_G = _g_tile(gc, p_tk, m_t, m_k, b_last)
         b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        b_akk += _decay_product(b_k, b_k, b_G, b_A, b_last, o_t, n_rows, BT, DOT_A)
+        b_akk += _decay_product(b_k, b_k, b_G, b_A, fast, o_t, n_rows, BT, DOT_A)
         tl.store(w + p_tk, (b_k * b_b[:, None] * tl.exp(b_G)).to(w.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
