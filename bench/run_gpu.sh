@@ -8,6 +8,7 @@
 #   backward  bench.backward, Triton and fla
 #   serving   bench.serving and the serving example
 #   profile   Nsight Compute per-kernel times at (1, 8192, 32)
+#   bprofile  the same for forward + backward
 #   tune      bench.tune_forward's grid
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
@@ -59,6 +60,9 @@ for stage in "$@"; do
     profile)
       timeout 150 ncu --clock-control none --print-summary per-kernel python3 -m bench.profile_once 2>&1 \
         | grep -E "kda_|Duration|Registers" | head -24 | tee "$OUT/ncu.log" ;;
+    bprofile)
+      timeout 200 ncu --clock-control none --print-summary per-kernel python3 -m bench.profile_once \
+        --backward 2>&1 | grep -E "^  [a-z_]|Duration|Registers" | tee "$OUT/ncu_backward.log" ;;
     source)
       timeout 240 ncu --kernel-name kda_fwd_prepare_kernel --launch-count 1 --set full \
         --import-source yes -o "$OUT/prepare" python3 -m bench.profile_once > "$OUT/ncu_source.log" 2>&1
