@@ -12,6 +12,9 @@
 #   tune      bench.tune_forward's grid
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
+#   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
+# SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows (and
+# `forward` then skips its varlen batch). GRID=NAME picks bench.tune_backward's grid.
 # Measured on the H200: fla's first call per shape autotunes for minutes (more
 # than 110 s for three shapes), and a machine starts without a Triton cache, so
 # give `forward` and `backward` most of a call.
@@ -39,18 +42,20 @@ for stage in "$@"; do
         -q -ra -p no:cacheprovider > "$OUT/pytest_gpu_forward.log" 2>&1
       tail -12 "$OUT/pytest_gpu_forward.log" ;;
     forward)
-      timeout 420 python3 -m bench.forward --impls triton,fla --json "$OUT/h200-forward.json" \
-        > "$OUT/bench_forward.log" 2>&1
-      timeout 120 python3 -m bench.forward --impls triton,fla --varlen "$serving_lengths" \
-        --json "$OUT/h200-forward-varlen.json" >> "$OUT/bench_forward.log" 2>&1
+      timeout 420 python3 -m bench.forward --impls triton,fla ${SHAPES:+--shapes "$SHAPES"} \
+        --json "$OUT/h200-forward.json" > "$OUT/bench_forward.log" 2>&1
+      if [ -z "${SHAPES:-}" ]; then
+        timeout 120 python3 -m bench.forward --impls triton,fla --varlen "$serving_lengths" \
+          --json "$OUT/h200-forward-varlen.json" >> "$OUT/bench_forward.log" 2>&1
+      fi
       tail -16 "$OUT/bench_forward.log" ;;
     xla)
       timeout 500 python3 -m bench.forward --impls xla --json "$OUT/h200-forward-xla.json" \
         > "$OUT/bench_xla.log" 2>&1
       tail -12 "$OUT/bench_xla.log" ;;
     backward)
-      timeout 500 python3 -m bench.backward --impls triton,fla --json "$OUT/h200-backward.json" \
-        > "$OUT/bench_backward.log" 2>&1
+      timeout 500 python3 -m bench.backward --impls triton,fla ${SHAPES:+--shapes "$SHAPES"} \
+        --json "$OUT/h200-backward.json" > "$OUT/bench_backward.log" 2>&1
       tail -12 "$OUT/bench_backward.log" ;;
     serving)
       timeout 300 python3 -m bench.serving --json "$OUT/h200-serving.json" > "$OUT/bench_serving.log" 2>&1
@@ -73,6 +78,9 @@ for stage in "$@"; do
     decode)
       timeout 240 python3 -m bench.tune_decode --json "$OUT/tune_decode.json" 2>&1 \
         | grep -v Warning | tail -14 ;;
+    tuneb)
+      timeout 300 python3 -m bench.tune_backward ${GRID:+--grid "$GRID"} --json "$OUT/tune_backward.json" 2>&1 \
+        | grep -v Warning | tail -8 ;;
     tune)
       timeout 400 python3 -m bench.tune_forward --json "$OUT/tune_forward.json" 2>&1 \
         | grep -v Warning | tail -16 ;;

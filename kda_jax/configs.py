@@ -21,12 +21,12 @@ ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
 DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16")
 
 
-def _check_fp32_grade(inverse_dot: str):
-    """The inverse's merge compounds rounding through nilpotent powers: only
-    the float32-grade modes are allowed there."""
-    if inverse_dot not in ("ieee", "tf32x3"):
-        raise ValueError(f"inverse_dot={inverse_dot!r} must be 'ieee' or 'tf32x3' (the "
-                         "inverse needs float32-grade products)")
+def _check_fp32_grade(name: str, value: str):
+    """Products of the inverse (its merge compounds rounding through nilpotent
+    powers) and with it in float32 work: only the float32-grade modes."""
+    if value not in ("ieee", "tf32x3"):
+        raise ValueError(f"{name}={value!r} must be 'ieee' or 'tf32x3' (float32-grade "
+                         "products)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ class ForwardConfig:
             value = getattr(self, name)
             if value not in DOT_MODES:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
-        _check_fp32_grade(self.inverse_dot)
+        _check_fp32_grade("inverse_dot", self.inverse_dot)
         optional = ("fp32_block_k", "state_block_v_wide", "state_warps_wide", "state_stages_wide")
         for name in ("prepare_block_k", "state_block_v", "fp32_block_k", "state_block_v_wide"):
             value = getattr(self, name)
@@ -126,11 +126,12 @@ FORWARD = {
                              state_block_v=32, state_warps=4, state_stages=2),
     "default": ForwardConfig(),
 }
-# Chunk 32 where it differs: on sm90 [32, 32] tiles over 32-wide K slices
-# spill (AOT report); 16-wide slices do not. Float32 inputs the other way
-# round: at 16 wide ptxas caps the kernel at 128 registers and spills.
+# Chunk 32 where it differs: on sm90 ptxas caps the prepare kernel at 128
+# registers with 16-wide K slices and at 168 with 32-wide ones, and the masked
+# K = 100 case spills under both caps (AOT report); 64-wide slices compile
+# without spills at every spec (204-234 registers).
 FORWARD_C32 = {
-    "sm90": dataclasses.replace(FORWARD["sm90"], prepare_block_k=16, prepare_warps=4,
+    "sm90": dataclasses.replace(FORWARD["sm90"], prepare_block_k=64, prepare_warps=4,
                                 fp32_block_k=32),
 }
 
@@ -326,10 +327,13 @@ class BackwardConfig:
       (grid chunks x heads x K blocks; loops over V blocks).
     wy_block_k / wy_block_v / wy_warps: the per-chunk gradients through X
       (grid chunks x heads; loops over K and V blocks). wy_dot: precision of
-      its dots with X and the WY products: "ieee" (fp32) or, on NVIDIA,
-      "tf32x3" (about fp32; fewer registers than fp32 FMA dots).
+      its dots with X^T and of dw w^T with 16-bit inputs (as prepare_dot);
+      products of two 16-bit intermediates are native 16-bit products.
+    wy_fp32_dot: the same with float32 inputs: "ieee" or "tf32x3".
     intra_block_k / intra_warps: the products' backward (grid chunks x heads
       x K blocks).
+    intra_loop_k: one intra program per chunk and head, looping over the K
+      blocks (loads the chunk's [BT, BT] dL and dAqk once, not once per block).
     product_dot: precision of the products' backward in the intra kernel
       (see ForwardConfig.prepare_dot).
     fp32_dot: precision of the state passes' and the inter kernel's products
@@ -352,18 +356,21 @@ class BackwardConfig:
     wy_block_v: int = 32
     wy_warps: int = 4
     wy_dot: str = "ieee"
+    wy_fp32_dot: str = "ieee"
     intra_block_k: int = 32
     intra_warps: int = 4
+    intra_loop_k: bool = False
     product_dot: str = "ieee"
     fp32_dot: str = "ieee"
 
     def __post_init__(self):
         for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "inverse_dot", "wy_dot",
-                     "fp32_dot"):
+                     "wy_fp32_dot", "fp32_dot"):
             if getattr(self, name) not in DOT_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of "
                                  f"{', '.join(DOT_MODES)}")
-        _check_fp32_grade(self.inverse_dot)
+        _check_fp32_grade("inverse_dot", self.inverse_dot)
+        _check_fp32_grade("wy_fp32_dot", self.wy_fp32_dot)
         for name in ("prepare_block_k", "state_block_v", "inter_block_k", "inter_block_v",
                      "wy_block_k", "wy_block_v", "intra_block_k"):
             value = getattr(self, name)
@@ -381,26 +388,40 @@ BACKWARD = {
     # sm90: the products' backward runs in tf32 (tf32x3 and fp32 spill at every
     # warp count and K block tried, 4-16 warps, 16-32 wide); float32
     # intermediates in the state passes and the inter kernel take tf32x3.
+    # The wy kernel: tf32 products with X^T for 16-bit inputs (126 registers
+    # at 8 warps, 2 blocks per SM; its fp32 FMA products took 255 registers
+    # and 3.1 of 8.2 ms at (1, 8192, 32)); float32 inputs keep fp32 FMA
+    # products (174 registers; tf32x3 spills there). The recompute takes the
+    # forward's Akk/Aqk precision (at tf32x3 it took 1.29 ms at (1, 8192, 32),
+    # the forward's prepare 0.84) but 16-wide K slices: storing X^T at 32
+    # wide spills at K = 100 (32 wide was 0.15 ms faster at K = 128).
+    # bench.tune_backward at (1, 8192, 32), fwd+bwd: 5.92 ms with 16-wide K
+    # blocks in the intra kernel at 8 warps, 5.24 at 4 warps, 5.11 at 32 wide
+    # and 8 warps (shipped); one program looping over the K blocks took 5.41
+    # (5.04 at 32 wide, but that spills 96 bytes).
     # No kernel spills on any target (kda_jax.aot).
-    "sm90": BackwardConfig(prepare_block_k=16, prepare_warps=4, prepare_dot="tf32x3",
+    "sm90": BackwardConfig(prepare_block_k=16, prepare_warps=4, prepare_dot="tf32",
                            prepare_wu_dot="tf32x3", inverse_dot="tf32x3", state_block_v=16,
                            inter_block_k=32,
-                           wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="ieee",
-                           intra_block_k=16, intra_warps=8, product_dot="tf32",
+                           wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="tf32",
+                           wy_fp32_dot="ieee",
+                           intra_block_k=32, intra_warps=8, product_dot="tf32",
                            fp32_dot="tf32x3"),
     "gfx950": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=2,
                              inter_warps=2, wy_warps=4),
     # gfx942: 64 KiB of LDS; the reverse state pass fits at one stage, 4 waves.
+    # Its intra kernel spills a VGPR at 32-wide K blocks (156 VGPRs at 16).
     "gfx942": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=4,
-                             state_stages=1, inter_warps=2, wy_warps=4),
+                             state_stages=1, inter_warps=2, wy_warps=4, intra_block_k=16),
     "gfx1250": BackwardConfig(prepare_block_k=32, prepare_warps=8, wy_warps=8),
     "default": BackwardConfig(),
 }
 
-# Chunk 32 (as FORWARD_C32): narrower K slices for the prepare and inter kernels.
+# Chunk 32: narrower K and V blocks for the inter kernel (at [32, 16] x 64 V
+# ptxas caps it at 128 registers and spills; 16-wide V blocks take 72).
 BACKWARD_C32 = {
     "sm90": dataclasses.replace(BACKWARD["sm90"], prepare_block_k=16, prepare_warps=4,
-                                inter_block_k=16),
+                                inter_block_k=16, inter_block_v=16),
 }
 
 _BACKWARD = _Table(BackwardConfig, BACKWARD, BACKWARD_C32)

@@ -20,7 +20,7 @@ final state's cotangent), the backward is
 
 Kernels, in launch order (all recompute from the inputs; nothing is kept from
 the forward). First the forward's kda_fwd_prepare_kernel (chunk_fwd) with
-STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl and X. Then:
+STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl, G and X^T. Then:
   kda_bwd_state_kernel    grid (sequences, HV, V blocks): h per chunk, v_new.
   kda_bwd_dstate_kernel   grid (sequences, HV, V blocks): walks chunks in
                           reverse: dS per chunk, dv_new, the initial state's
@@ -48,7 +48,7 @@ row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback.
 import triton
 import triton.language as tl
 
-from .chunk_fwd import ANCHOR_SPAN, _chunk_cumsum, _dot, _row_of, _tile
+from .chunk_fwd import ANCHOR_SPAN, _dot, _g_rows, _g_tile, _row_of, _tile
 from .state_io import load_state, state_offsets, store_state
 
 
@@ -64,10 +64,16 @@ def _chunk_of(meta, off_cu, off_ct, i_c, BT: tl.constexpr):
 
 
 @triton.jit
-def _decay(g, rows, m_t, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
-    """G [BT, BK]: chunk-local cumsum of the (already transformed) log-decay."""
-    return _chunk_cumsum(g, g, g, rows, m_t, i_hv, o_k, m_k, HV, K, False, False, False,
-                         False, 0.)
+def _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT: tl.constexpr, HV: tl.constexpr,
+           K: tl.constexpr):
+    """(G [BT, BK], its anchor row, its last row) over the K slice o_k, from
+    the recompute's G scratch gc [T, HV, K] (no cumsum here); rows past the
+    sequence repeat the last row, as a cumsum over them would."""
+    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
+    r_last = (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
+    b_A, b_last = _g_rows(gc, r_anchor, r_last, i_hv * K, o_k, m_k, n_rows, HV, K)
+    p_tk = rows.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    return _g_tile(gc, p_tk, m_t, m_k, b_last), b_A, b_last
 
 
 @triton.jit
@@ -176,7 +182,7 @@ def kda_bwd_dstate_kernel(
 
 @triton.jit
 def kda_bwd_inter_kernel(
-    q, k, g, h, dh, vn, dvn, do, meta, off_cu, off_ct,
+    q, k, gc, h, dh, vn, dvn, do, meta, off_cu, off_ct,
     dq, dk, dg, dw,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -220,8 +226,7 @@ def kda_bwd_inter_kernel(
         b_dkt += _dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), DOT)
         b_dgl += tl.sum(b_dh * b_h, axis=1)
 
-    b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
-    b_last = _row_of(b_G, o_t, BT - 1)
+    b_G, _, b_last = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
     b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_eg = tl.exp(b_G)
@@ -273,8 +278,27 @@ def _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dakk, b_daqs, o_t, n_rows,
 
 
 @triton.jit
+def _dot_16(a, b, DOT: tl.constexpr):
+    """a @ b, float32 accumulate: a native 16-bit product when a and b are
+    16-bit of one type (their products are exact in float32), else in float32
+    at precision DOT (as chunk_fwd._dot)."""
+    if a.dtype == b.dtype and a.dtype.primitive_bitwidth == 16:
+        return tl.dot(a, b)
+    else:
+        return _dot(a.to(tl.float32), b.to(tl.float32), DOT)
+
+
+@triton.jit
+def _x_transposed(x, p_tt, m_t):
+    """X^T of the chunk (the recompute stores it transposed). Loaded at each
+    use rather than held: a [BT, BT] fp32 tile live across the loops, split
+    for fp32-grade products, spills on sm90 (X^T stays in L1/L2)."""
+    return tl.load(x + p_tt, mask=m_t[:, None], other=0.)
+
+
+@triton.jit
 def kda_bwd_wy_kernel(
-    k, v, g, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw, meta, off_cu, off_ct,
+    k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw, meta, off_cu, off_ct,
     dv, dk_w, dg_w, dl, daqk, dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -286,7 +310,9 @@ def kda_bwd_wy_kernel(
     M = dv_new u^T + dw w^T (strictly lower) and scale * dAqk, both stored
     [T, HV, BT] fp32 for the products kernel. Only X^T is needed (loaded
     transposed); w and u are the recompute's. DOT_X: the precision of the
-    dots with X^T, as chunk_fwd._dot (fp32 "ieee" unless the config says)."""
+    dots with X^T and of dw w^T, as chunk_fwd._dot (fp32-grade: "ieee" or
+    "tf32x3"); do v_new^T and dv_new u^T multiply 16-bit intermediates
+    natively (exact products) and take DOT_X only for float32 ones."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
     i_h = i_hv // (HV // H)
@@ -296,21 +322,18 @@ def kda_bwd_wy_kernel(
     r64 = rows.to(tl.int64)
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
-    # X^T[i, j] = X[j, i]: row j of X lives at token t0 + j.
-    b_xt = tl.load(x + (r64 * HV + i_hv)[None, :] * BT + o_t[:, None], mask=m_t[None, :],
-                   other=0.)
 
-    # V blocks, twice, so that at most two [BT, BT] fp32 tiles are live (X^T
-    # and one accumulator; three spill on sm90): first dAqk = do v_new^T,
-    # then dv, dbeta's v term and M = dv_new u^T.
+    # V blocks, twice, so that at most one [BT, BT] fp32 accumulator is live
+    # beside X^T: first dAqk = do v_new^T, then dv, dbeta's v term and
+    # M = dv_new u^T.
     b_daqk = tl.zeros([BT, BT], dtype=tl.float32)
     for vs in range(0, V, BV):
         o_v = vs + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_vn = tl.load(vn + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_daqk += _dot(b_do, tl.trans(b_vn), DOT_X)
+        b_vn = tl.load(vn + p_v, mask=m_tv, other=0.)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.)
+        b_daqk += _dot_16(b_do, tl.trans(b_vn), DOT_X)
     tl.store(daqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_daqk * SCALE, 0.),
              mask=m_t[:, None])
 
@@ -320,10 +343,10 @@ def kda_bwd_wy_kernel(
         o_v = vs + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_m += _dot(b_dvn, tl.trans(b_u), DOT_X)
-        b_dvb = _dot(b_xt, b_dvn, DOT_X)
+        b_u = tl.load(u + p_v, mask=m_tv, other=0.)
+        b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.)
+        b_m += _dot_16(b_dvn, tl.trans(b_u), DOT_X)
+        b_dvb = _dot(_x_transposed(x, p_tt, m_t), b_dvn.to(tl.float32), DOT_X)
         tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_db += tl.sum(b_dvb * b_v, axis=1)
@@ -337,8 +360,9 @@ def kda_bwd_wy_kernel(
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.)
         b_m += _dot(b_dw, tl.trans(b_w), DOT_X)
-        b_dB = _dot(b_xt, b_dw, DOT_X)
-        b_eg = tl.exp(_decay(g, rows, m_t, i_hv, o_k, m_k, HV, K))
+        b_dB = _dot(_x_transposed(x, p_tt, m_t), b_dw, DOT_X)
+        b_G, _, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
+        b_eg = tl.exp(b_G)
         b_keg = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_eg
         b_db += tl.sum(b_dB * b_keg, axis=1)
         b_dk = tl.load(dk_p + p_tk, mask=m_tk, other=0.) + b_dB * b_b[:, None] * b_eg
@@ -346,50 +370,45 @@ def kda_bwd_wy_kernel(
         tl.store(dk_w + p_tk, b_dk, mask=m_tk)
         tl.store(dg_w + p_tk, b_dG, mask=m_tk)
 
-    b_dl = _dot(b_xt, b_m, DOT_X)
+    b_dl = _dot(_x_transposed(x, p_tt, m_t), b_m, DOT_X)
     tl.store(dl + p_tt, tl.where(o_t[:, None] > o_t[None, :], -b_dl, 0.), mask=m_t[:, None])
     tl.store(dbeta + r64 * HV + i_hv, b_db, mask=m_t)
 
 
 @triton.jit
-def kda_bwd_intra_kernel(
-    q, k, g, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct,
-    dq, dk, dg, dbeta_k,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, DOT_A: tl.constexpr,
-):
-    """Per chunk and K block: the intra-chunk products Akk = k k^T e^(G_i - G_j)
-    and Aqk = q k^T e^(G_i - G_j) back to q, k and G (dAkk = beta dL, and
-    scale * dAqk from the wy kernel), then dg = the reverse cumsum of dG.
-    Writes the final dq, dk, dg and this K block's share of dbeta
-    (dbeta_k [T, HV, NK]: sum over the block's K of k_i * sum_j dL_ij k_j e^(G_i - G_j))."""
-    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    m_t = o_t < n_rows
-    r64 = rows.to(tl.int64)
-    o_k = i_k * BK + tl.arange(0, BK)
+def _anchored_ok(gc, t0, n_rows, i_hv, BT: tl.constexpr, BK: tl.constexpr, HV: tl.constexpr,
+                 K: tl.constexpr):
+    """Whether every channel's decay within the chunk allows the anchored
+    products (factors within e^(+-ANCHOR_SPAN)): one test for the chunk, so
+    one reduction across the program."""
+    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
+    r_last = (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
+    b_span = tl.zeros([BK], dtype=tl.float32)
+    for ks in tl.static_range(0, K, BK):
+        o_k = ks + tl.arange(0, BK)
+        b_A, b_last = _g_rows(gc, r_anchor, r_last, i_hv * K, o_k, o_k < K, n_rows, HV, K)
+        b_span = tl.maximum(b_span, tl.maximum(-b_A, b_A - b_last))
+    return tl.max(b_span, axis=0) <= ANCHOR_SPAN
+
+
+@triton.jit
+def _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
+                 t0, n_rows, i_h, i_hv, ks, o_t, rows, m_t, r64,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, DOT_A: tl.constexpr):
+    """kda_bwd_intra_kernel's work on the K block starting at ks: writes dq,
+    dk, dg there and returns its share of dbeta [BT]."""
+    o_k = ks + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
-    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
-    b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)
-    b_daqs = tl.load(daqk + p_tt, mask=m_t[:, None], other=0.)
-
-    b_G = _decay(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+    b_G, b_A, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
     b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
     b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
     b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
-
-    b_last = _row_of(b_G, o_t, BT - 1)
-    b_A = _row_of(b_G, o_t, BT // 2 - 1)
-    b_span = tl.max(tl.maximum(-b_A, b_A - b_last), axis=0)
-    if b_span <= ANCHOR_SPAN:
+    if fast:
         b_er = tl.exp(b_G - b_A[None, :])
         b_ec = tl.exp(b_A[None, :] - b_G)
         b_kr = b_k * b_er
@@ -419,4 +438,43 @@ def kda_bwd_intra_kernel(
     tl.store(dq + p_tk, b_dq, mask=m_tk)
     tl.store(dk + p_tk, b_dk, mask=m_tk)
     tl.store(dg + p_tk, b_dg, mask=m_tk)
+    return b_db
+
+
+@triton.jit
+def kda_bwd_intra_kernel(
+    q, k, gc, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct,
+    dq, dk, dg, dbeta_k,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, DOT_A: tl.constexpr, LOOP_K: tl.constexpr,
+):
+    """Per chunk and K block (or, with LOOP_K, per chunk, looping over the K
+    blocks so that dL and dAqk are loaded once): the intra-chunk products
+    Akk = k k^T e^(G_i - G_j) and Aqk = q k^T e^(G_i - G_j) back to q, k and G
+    (dAkk = beta dL, and scale * dAqk from the wy kernel), then dg = the
+    reverse cumsum of dG. Writes the final dq, dk, dg and dbeta's share
+    sum over K of k_i * sum_j dL_ij k_j e^(G_i - G_j): dbeta_k [T, HV, NK],
+    one column per program along K (NK = 1 with LOOP_K)."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = o_t < n_rows
+    r64 = rows.to(tl.int64)
+    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
+    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+    b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)
+    b_daqs = tl.load(daqk + p_tt, mask=m_t[:, None], other=0.)
+    fast = _anchored_ok(gc, t0, n_rows, i_hv, BT, BK, HV, K)
+    if LOOP_K:
+        b_db = tl.zeros([BT], dtype=tl.float32)
+        for ks in range(0, K, BK):
+            b_db += _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs,
+                                 fast, t0, n_rows, i_h, i_hv, ks, o_t, rows, m_t, r64,
+                                 H, HV, K, BT, BK, DOT_A)
+    else:
+        b_db = _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
+                            t0, n_rows, i_h, i_hv, i_k * BK, o_t, rows, m_t, r64,
+                            H, HV, K, BT, BK, DOT_A)
     tl.store(dbeta_k + (r64 * HV + i_hv) * tl.num_programs(2) + i_k, b_db, mask=m_t)

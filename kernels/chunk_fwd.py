@@ -12,7 +12,8 @@ final state: the state pass and the output fused, so h is never stored.
 Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV];
   w, qg, kt [T, HV, K]; u [T, HV, V]; aqk [T, HV, BT]; gl [NC, HV, K] fp32;
-  x [T, HV, BT] fp32 (the inverse, for the backward's recompute only);
+  x [T, HV, BT] fp32 (the inverse, transposed: row i of a chunk holds
+    column i of X; for the backward's recompute only);
   gc [T, HV, K] fp32 (the prepare kernel's scratch: G);
   states [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST) fp32.
 Varlen comes from one int32 metadata buffer: cu_seqlens at ``off_cu``,
@@ -204,7 +205,8 @@ def kda_fwd_prepare_kernel(
     DOT_A: tl.constexpr, DOT_WU: tl.constexpr, DOT_INV: tl.constexpr, STORE_X: tl.constexpr,
 ):
     """One program per (chunk, value head). With STORE_X it also writes
-    X = (I + L)^-1 (fp32, [T, HV, BT]) for the backward; x is unused otherwise.
+    X^T, X = (I + L)^-1 (fp32, [T, HV, BT]), for the backward, whose products
+    take X^T; x is unused otherwise.
     gc [T, HV, K] fp32 is scratch: the chunk-local cumsum G, written in pass 0
     and read back after a barrier, so that its anchor and last rows are loads
     (taking a row out of a register tile is a reduction across the program)
@@ -300,7 +302,8 @@ def kda_fwd_prepare_kernel(
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
     b_x = _unit_lower_inverse(b_l, o_t, BT, DOT_INV)
     if STORE_X:
-        tl.store(x + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :], b_x, mask=m_t[:, None])
+        tl.store(x + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :], tl.trans(b_x),
+                 mask=m_t[:, None])
     if DOT_WU == 3:
         b_x = b_x.to(tl.bfloat16).to(tl.float32)  # rounded once, not per product
 

@@ -60,6 +60,16 @@ def test_forward_config_refuses_bad_values(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(wy_dot="tf64"), "wy_dot='tf64' must be one of"),
+    (dict(wy_fp32_dot="tf32"), "wy_fp32_dot='tf32' must be 'ieee' or 'tf32x3'"),
+    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee' or 'tf32x3'"),
+])
+def test_backward_config_refuses_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        configs.BackwardConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
     (dict(block_v=12), "block_v=12 must be a power of two"),
     (dict(block_v_wide=4), "block_v_wide=4 must be a power of two"),
     (dict(warps=3), "warps=3 must be one of"),

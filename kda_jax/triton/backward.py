@@ -93,10 +93,12 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             config.inter_warps, 1),
         KernelLaunch("kda_bwd_wy_kernel", dict(
             H=h, **common, BK=block(kd, config.wy_block_k), BV=block(vd, config.wy_block_v),
-            SCALE=float(opts.scale), DOT_X=DOT_MODES.index(config.wy_dot)),
+            SCALE=float(opts.scale), DOT_X=DOT_MODES.index(
+                config.wy_dot if jnp.dtype(work).itemsize == 2 else config.wy_fp32_dot)),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(
-            H=h, HV=hv, K=kd, BT=bt, BK=block(kd, config.intra_block_k), DOT_A=dot_a),
+            H=h, HV=hv, K=kd, BT=bt, BK=block(kd, config.intra_block_k), DOT_A=dot_a,
+            LOOP_K=config.intra_loop_k),
             config.intra_warps, 1),
     ]
     return {launch_.kernel: launch_ for launch_ in launches}
@@ -151,14 +153,14 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     tk_shape, tv_shape = (tokens, hv, kd), (tokens, hv, vd)
     # The forward's prepare kernel on the transformed inputs, also storing X.
     prep = recompute_launch(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work)
-    w, u, qg, kt, aqk, gl, x, _ = launch(
+    w, u, qg, kt, aqk, gl, x, gc = launch(
         getattr(kernels("chunk_fwd"), prep.kernel),
         q, k, v, g, beta, dummy, dummy, meta_dev, off_cu, off_ct,
         grid=(n_chunks, hv, 1),
         out_shape=[sds(tk_shape, work), sds(tv_shape, work), sds(tk_shape, work),
                    sds(tk_shape, work), sds((tokens, hv, bt), work),
                    sds((n_chunks, hv, kd), f32), sds((tokens, hv, bt), f32),
-                   sds(tk_shape, f32)],  # the last: the kernel's G scratch
+                   sds(tk_shape, f32)],  # the last: G, read by the kernels below
         name="kda_bwd_recompute", num_warps=prep.num_warps, num_stages=prep.num_stages,
         **prep.constexprs)
 
@@ -178,20 +180,21 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
 
     n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
     dq_p, dk_p, dg_p, dw = run(
-        "kda_bwd_inter_kernel", q, k, g, hs, dhs, vn, dvn, do, meta_dev, off_cu, off_ct,
+        "kda_bwd_inter_kernel", q, k, gc, hs, dhs, vn, dvn, do, meta_dev, off_cu, off_ct,
         grid=(n_chunks, hv, n_k), out_shape=[sds(tk_shape, f32)] * 4)
 
     tt_shape = (tokens, hv, bt)
     dv, dk_w, dg_w, dl, daqk, dbeta = run(
-        "kda_bwd_wy_kernel", k, v, g, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw,
+        "kda_bwd_wy_kernel", k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw,
         meta_dev, off_cu, off_ct,
         grid=(n_chunks, hv, 1),
         out_shape=[sds(tv_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
                    sds(tt_shape, f32), sds(tt_shape, f32), sds((tokens, hv), f32)])
 
-    n_k = -(-kd // L["kda_bwd_intra_kernel"].constexprs["BK"])
+    intra = L["kda_bwd_intra_kernel"].constexprs
+    n_k = 1 if intra["LOOP_K"] else -(-kd // intra["BK"])
     dq, dk, dg, dbeta_k = run(
-        "kda_bwd_intra_kernel", q, k, g, beta, dl, daqk, dq_p, dk_w, dg_w,
+        "kda_bwd_intra_kernel", q, k, gc, beta, dl, daqk, dq_p, dk_w, dg_w,
         meta_dev, off_cu, off_ct,
         grid=(n_chunks, hv, n_k),
         out_shape=[sds(tk_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),

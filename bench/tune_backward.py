@@ -1,0 +1,97 @@
+"""Times chunk_kda's forward + backward under several backward configs and
+checks each one's gradients against the float32 reference (GPU only).
+
+    python -m bench.tune_backward [--shape 1,8192,32] [--grid NAME] [--json PATH]
+
+Each row: the config change, the fwd+bwd median ms at the timing shape (bf16,
+K = V = 128, as bench.backward) and the worst relative RMS error of dq, dk,
+dv, dg, dbeta against autodiff of ``kda_jax.reference`` on a small varlen case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kda_jax
+from bench.backward import jax_runner
+from bench.inputs import make
+from bench.timing import versions
+from kda_jax import configs, reference, testing
+
+GRIDS = {
+    # Around the shipped sm90 config (each entry changes it).
+    "backward": [
+        {},
+        dict(prepare_block_k=32),
+        dict(prepare_wu_dot="bf16"),
+        dict(intra_loop_k=True),
+        dict(intra_loop_k=True, intra_block_k=32),
+        dict(intra_warps=4),
+        dict(wy_block_k=32, wy_block_v=32),
+        dict(wy_warps=4),
+    ],
+    "shipped": [{}],
+    "intra": [{}, dict(intra_block_k=32, intra_warps=8)],
+}
+NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def accuracy() -> dict:
+    """Relative RMS error of each gradient, bf16 inputs, against the float32
+    reference's (sequences of 1, 129 and 170 tokens, H = 4, K = V = 128)."""
+    x = testing.make_inputs(8, T=300, H=4, K=128, V=128, N=3, dtype=jnp.bfloat16)
+    cu = np.array([0, 1, 130, 300])
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(x.v.shape), jnp.float32)
+
+    def grads(fn, args):
+        loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w)
+        return jax.grad(loss, argnums=tuple(range(5)))(*args)
+
+    got = grads(lambda *a: kda_jax.chunk_kda(*a, cu_seqlens=cu, implementation="triton")[0],
+                x.args())
+    ref = grads(lambda *a: reference.naive_recurrent_kda(*a, cu_seqlens=cu)[0],
+                [jnp.asarray(a, jnp.float32) for a in x.args()])
+    return {f"{n}_rel_rms": testing.rel_rms(a, b) for n, a, b in zip(NAMES, got, ref)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="1,8192,32")
+    p.add_argument("--grid", default="backward", choices=sorted(GRIDS))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    b, t, h = (int(x) for x in args.shape.split(","))
+    arrays = make(b, t, h, 128, 128)
+    base = configs.backward_config()
+    records = []
+    for change in GRIDS[args.grid]:
+        cfg = dataclasses.replace(base, **change)
+        try:
+            with configs.override_backward(cfg):
+                ms = jax_runner("triton", arrays, None)()
+                acc = accuracy()
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+            print(f"{change}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            ms, acc = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        records.append({"config": dataclasses.asdict(cfg), "change": change,
+                        "shape": [b, t, h, 128, 128], "ms": ms, **acc})
+        print(json.dumps({"change": change, "ms": ms, **acc}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"versions": versions(), "command": "python -m bench.tune_backward "
+                       + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
