@@ -11,10 +11,7 @@ dv, dg, dbeta against autodiff of ``kda_jax.reference`` on a small varlen case.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -25,7 +22,7 @@ import numpy as np
 import kda_jax
 from bench.backward import jax_runner
 from bench.inputs import make
-from bench.timing import versions
+from bench.grid import run_grid, write_records
 from kda_jax import configs, reference, testing
 
 GRIDS = {
@@ -72,25 +69,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     b, t, h = (int(x) for x in args.shape.split(","))
     arrays = make(b, t, h, 128, 128)
-    base = configs.backward_config()
-    records = []
-    for change in GRIDS[args.grid]:
-        cfg = dataclasses.replace(base, **change)
-        try:
-            with configs.override_backward(cfg):
-                ms = jax_runner("triton", arrays, None)()
-                acc = accuracy()
-        except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
-            print(f"{change}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-            ms, acc = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        records.append({"config": dataclasses.asdict(cfg), "change": change,
-                        "shape": [b, t, h, 128, 128], "ms": ms, **acc})
-        print(json.dumps({"change": change, "ms": ms, **acc}), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"versions": versions(), "command": "python -m bench.tune_backward "
-                       + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "records": records}, f, indent=1)
+    def measure(cfg):
+        with configs.override_backward(cfg):
+            return jax_runner("triton", arrays, None)(), accuracy()
+
+    records = run_grid(configs.backward_config(), GRIDS[args.grid], measure,
+                       (b, t, h, 128, 128))
+    write_records(args.json, "bench.tune_backward", argv, records)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,7 @@ K = V = 128) and the relative RMS error of o and the final state against
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -24,7 +21,8 @@ import numpy as np
 
 import kda_jax
 from bench.inputs import make
-from bench.timing import time_jax, versions
+from bench.grid import run_grid, write_records
+from bench.timing import time_jax
 from kda_jax import configs, reference, testing
 
 GRIDS = {
@@ -63,26 +61,16 @@ def main(argv=None):
     b, t, h = (int(x) for x in args.shape.split(","))
     arrays = [jnp.asarray(a, jnp.bfloat16 if i < 3 else jnp.float32)
               for i, a in enumerate(make(b, t, h, 128, 128))]
-    base = configs.forward_config()
-    records = []
-    for change in GRIDS[args.grid]:
-        cfg = dataclasses.replace(base, **change)
-        try:
-            with configs.override(cfg):
-                run = jax.jit(lambda *a: kda_jax.chunk_kda(*a, implementation="triton")[0])
-                ms = time_jax(run, *arrays)
-            acc = accuracy(cfg)
-        except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
-            print(f"{change}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-            ms, acc = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        rec = {"config": dataclasses.asdict(cfg), "shape": [b, t, h, 128, 128], "ms": ms, **acc}
-        records.append(rec)
-        print(json.dumps({"change": change, "ms": ms, **acc}), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"versions": versions(), "command": "python -m bench.tune_forward "
-                       + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "records": records}, f, indent=1)
+
+    def measure(cfg):
+        with configs.override(cfg):
+            run = jax.jit(lambda *a: kda_jax.chunk_kda(*a, implementation="triton")[0])
+            ms = time_jax(run, *arrays)
+        return ms, accuracy(cfg)
+
+    records = run_grid(configs.forward_config(), GRIDS[args.grid], measure,
+                       (b, t, h, 128, 128))
+    write_records(args.json, "bench.tune_forward", argv, records)
 
 
 if __name__ == "__main__":

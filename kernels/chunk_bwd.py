@@ -53,14 +53,18 @@ from .state_io import load_state, state_offsets, store_state
 
 
 @triton.jit
-def _chunk_of(meta, off_cu, off_ct, i_c, BT: tl.constexpr):
-    """(first row, rows in the chunk) of chunk-table entry i_c."""
+def _chunk_rows(meta, off_cu, off_ct, i_c, BT: tl.constexpr):
+    """Rows of chunk-table entry i_c: (first row t0, rows in the chunk n_rows,
+    o_t = 0..BT-1, rows = t0 + o_t, the mask o_t < n_rows, rows as int64)."""
     i_n = tl.load(meta + off_ct + 2 * i_c)
     i_j = tl.load(meta + off_ct + 2 * i_c + 1)
     bos = tl.load(meta + off_cu + i_n)
     eos = tl.load(meta + off_cu + i_n + 1)
     t0 = bos + i_j * BT
-    return t0, tl.minimum(eos - t0, BT)
+    n_rows = tl.minimum(eos - t0, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    return t0, n_rows, o_t, rows, o_t < n_rows, rows.to(tl.int64)
 
 
 @triton.jit
@@ -195,11 +199,7 @@ def kda_bwd_inter_kernel(
     kernel hands to every row of the chunk."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    m_t = o_t < n_rows
-    r64 = rows.to(tl.int64)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     i_c64 = i_c.to(tl.int64)
@@ -314,12 +314,8 @@ def kda_bwd_wy_kernel(
     "tf32x3"); do v_new^T and dv_new u^T multiply 16-bit intermediates
     natively (exact products) and take DOT_X only for float32 ones."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
     i_h = i_hv // (HV // H)
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    m_t = o_t < n_rows
-    r64 = rows.to(tl.int64)
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
 
@@ -457,11 +453,7 @@ def kda_bwd_intra_kernel(
     one column per program along K (NK = 1 with LOOP_K)."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows = _chunk_of(meta, off_cu, off_ct, i_c, BT)
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    m_t = o_t < n_rows
-    r64 = rows.to(tl.int64)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)

@@ -1,0 +1,39 @@
+"""The loop shared by the config tuners: each grid entry changes a base config,
+is timed and checked under it, and becomes one record; a config that fails to
+compile is a record too (with its error), not the end of the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Callable
+
+from bench.timing import versions
+
+
+def run_grid(base, changes, measure: Callable, shape) -> list[dict]:
+    """Records of ``measure(config) -> (ms, {error name: value})`` for each
+    config ``dataclasses.replace(base, **change)``; prints each as it lands."""
+    records = []
+    for change in changes:
+        cfg = dataclasses.replace(base, **change)
+        try:
+            ms, acc = measure(cfg)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+            print(f"{change}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            ms, acc = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        records.append({"config": dataclasses.asdict(cfg), "change": change,
+                        "shape": list(shape), "ms": ms, **acc})
+        print(json.dumps({"change": change, "ms": ms, **acc}), flush=True)
+    return records
+
+
+def write_records(path: str | None, module: str, argv, records: list[dict]):
+    """The run's JSON: versions, the command line and the records."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump({"versions": versions(), "command": f"python -m {module} "
+                   + " ".join(argv if argv is not None else sys.argv[1:]),
+                   "records": records}, f, indent=1)
