@@ -16,7 +16,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kda_jax
 from bench import sweep

@@ -4,6 +4,7 @@ compile is a record too (with its error), not the end of the run."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -37,3 +38,14 @@ def write_records(path: str | None, module: str, argv, records: list[dict]):
         json.dump({"versions": versions(), "command": f"python -m {module} "
                    + " ".join(argv if argv is not None else sys.argv[1:]),
                    "records": records}, f, indent=1)
+
+
+def parse_grid_args(doc: str, grids: dict, default: str, argv):
+    """(args, (B, T, H)) of a tuner's command line: --shape B,T,H, --grid NAME
+    (one of ``grids``), --json PATH."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--shape", default="1,8192,32")
+    p.add_argument("--grid", default=default, choices=sorted(grids))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    return args, tuple(int(x) for x in args.shape.split(","))

@@ -10,7 +10,6 @@ dv, dg, dbeta against autodiff of ``kda_jax.reference`` on a small varlen case.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -22,7 +21,7 @@ import numpy as np
 import kda_jax
 from bench.backward import jax_runner
 from bench.inputs import make
-from bench.grid import run_grid, write_records
+from bench.grid import parse_grid_args, run_grid, write_records
 from kda_jax import configs, reference, testing
 
 GRIDS = {
@@ -62,13 +61,9 @@ def accuracy() -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="1,8192,32")
-    p.add_argument("--grid", default="backward", choices=sorted(GRIDS))
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    b, t, h = (int(x) for x in args.shape.split(","))
+    args, (b, t, h) = parse_grid_args(__doc__, GRIDS, "backward", argv)
     arrays = make(b, t, h, 128, 128)
+
     def measure(cfg):
         with configs.override_backward(cfg):
             return jax_runner("triton", arrays, None)(), accuracy()

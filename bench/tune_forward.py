@@ -10,7 +10,6 @@ K = V = 128) and the relative RMS error of o and the final state against
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -21,7 +20,7 @@ import numpy as np
 
 import kda_jax
 from bench.inputs import make
-from bench.grid import run_grid, write_records
+from bench.grid import parse_grid_args, run_grid, write_records
 from bench.timing import time_jax
 from kda_jax import configs, reference, testing
 
@@ -53,12 +52,7 @@ def accuracy(config: configs.ForwardConfig) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="1,8192,32")
-    p.add_argument("--grid", default="prepare", choices=sorted(GRIDS))
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    b, t, h = (int(x) for x in args.shape.split(","))
+    args, (b, t, h) = parse_grid_args(__doc__, GRIDS, "prepare", argv)
     arrays = [jnp.asarray(a, jnp.bfloat16 if i < 3 else jnp.float32)
               for i, a in enumerate(make(b, t, h, 128, 128))]
 

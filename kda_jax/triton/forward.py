@@ -15,7 +15,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
