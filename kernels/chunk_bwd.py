@@ -48,7 +48,7 @@ row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback.
 import triton
 import triton.language as tl
 
-from .chunk_fwd import ANCHOR_SPAN, _dot, _g_rows, _g_tile, _row_of, _tile
+from .chunk_fwd import ANCHOR_SPAN, _anchor_rows, _dot, _g_rows, _g_tile, _row_of, _tile
 from .state_io import load_state, state_offsets, store_state
 
 
@@ -73,8 +73,7 @@ def _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT: tl.constexpr, HV: tl.c
     """(G [BT, BK], its anchor row, its last row) over the K slice o_k, from
     the recompute's G scratch gc [T, HV, K] (no cumsum here); rows past the
     sequence repeat the last row, as a cumsum over them would."""
-    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
-    r_last = (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
+    r_anchor, r_last = _anchor_rows(t0, n_rows, BT)
     b_A, b_last = _g_rows(gc, r_anchor, r_last, i_hv * K, o_k, m_k, n_rows, HV, K)
     p_tk = rows.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     return _g_tile(gc, p_tk, m_t, m_k, b_last), b_A, b_last
@@ -377,8 +376,7 @@ def _anchored_ok(gc, t0, n_rows, i_hv, BT: tl.constexpr, BK: tl.constexpr, HV: t
     """Whether every channel's decay within the chunk allows the anchored
     products (factors within e^(+-ANCHOR_SPAN)): one test for the chunk, so
     one reduction across the program."""
-    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
-    r_last = (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
+    r_anchor, r_last = _anchor_rows(t0, n_rows, BT)
     b_span = tl.zeros([BK], dtype=tl.float32)
     for ks in tl.static_range(0, K, BK):
         o_k = ks + tl.arange(0, BK)

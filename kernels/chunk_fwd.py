@@ -140,6 +140,15 @@ def _decay_product(b_a, b_k, b_G, b_A, FAST, o_t, n_rows, BT: tl.constexpr,
 
 
 @triton.jit
+def _anchor_rows(t0, n_rows, BT: tl.constexpr):
+    """(anchor row, last row) of a chunk, int64: the anchor is the middle row,
+    or the last one of a shorter chunk; rows past the sequence repeat the
+    last (they add no decay)."""
+    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
+    return r_anchor, (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
+
+
+@triton.jit
 def _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV: tl.constexpr, K: tl.constexpr):
     """G's anchor row and last row over the K slice o_k, from the scratch gc
     (zeros in a padded chunk, which has no rows)."""
@@ -223,10 +232,7 @@ def kda_fwd_prepare_kernel(
     rows = t0 + o_t
     m_t = o_t < n_rows
     r64 = rows.to(tl.int64)
-    # G's anchor row (the middle row, or the last one of a shorter chunk) and
-    # last row; rows past the sequence repeat the last (they add no decay).
-    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
-    r_last = (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
+    r_anchor, r_last = _anchor_rows(t0, n_rows, BT)
 
     # beta, transformed; rows past the sequence get 0 (no update).
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
