@@ -13,6 +13,7 @@
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
+#   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 # SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows (and
 # `forward` then skips its varlen batch). GRID=NAME picks bench.tune_backward's grid.
 # Measured on the H200: fla's first call per shape autotunes for minutes (more
@@ -23,9 +24,15 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-# fla and torch's Triton need a writable cache directory.
-export HOME=/tmp TRITON_CACHE_DIR=/tmp/triton-cache
+# fla and torch's Triton need a writable cache directory. fla's first call per
+# shape autotunes for minutes: Triton keeps the winners on disk
+# (TRITON_CACHE_AUTOTUNING), and a machine starts bare, so the `savecache`
+# stage sends them back and a later call brings them (carry .triton-autotune).
+export HOME=/tmp TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .triton-autotune/autotune.tgz ]; then
+  tar xzf .triton-autotune/autotune.tgz -C "$TRITON_CACHE_DIR"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader > "$OUT/gpu.txt"
 serving_lengths=$(python3 -c 'from kda_jax.testing import SERVING_LENGTHS as s; print(",".join(map(str, s)))')
 
@@ -84,6 +91,9 @@ for stage in "$@"; do
     tune)
       timeout 400 python3 -m bench.tune_forward --json "$OUT/tune_forward.json" 2>&1 \
         | grep -v Warning | tail -16 ;;
+    savecache)
+      (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)
+      ls -l "$OUT/autotune.tgz" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

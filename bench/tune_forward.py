@@ -32,6 +32,7 @@ GRIDS = {
         dict(prepare_dot="tf32x3"),
         dict(prepare_block_k=64),
         dict(prepare_block_k=16),
+        dict(prepare_warps=8),
         dict(prepare_stages=2),
         dict(state_block_v=64),
         dict(state_warps=8),

@@ -172,6 +172,26 @@ BB = tl.constexpr(16)
 
 
 @triton.jit
+def _diag_block_inverse(b_l, BT: tl.constexpr):
+    """The inverses of the BT / BB diagonal [BB, BB] blocks of I + L, as a
+    block-diagonal [BT, BT] tile. The sweep works on the blocks alone, a
+    [BT / BB, BB, BB] tile: a quarter of the [BT, BT] tile's elements, and
+    each reduction runs within a block (its rows, or its columns)."""
+    o_b = tl.arange(0, BT // BB)
+    o_i = tl.arange(0, BB)
+    m_own = o_b[:, None, None, None] == o_b[None, None, :, None]
+    b_ld = tl.sum(tl.where(m_own, tl.reshape(b_l, [BT // BB, BB, BT // BB, BB]), 0.), axis=2)
+    b_x = tl.zeros([BT // BB, BB, BB], dtype=tl.float32)
+    b_x += tl.where(o_i[:, None] == o_i[None, :], 1., 0.)[None, :, :]
+    for j in range(0, BB - 1):
+        # L[b, i, j] per row i of block b; X[b, j, c] per column c.
+        b_lc = tl.sum(tl.where(o_i[None, None, :] == j, b_ld, 0.), axis=2)
+        b_xr = tl.sum(tl.where(o_i[None, :, None] == j, b_x, 0.), axis=1)
+        b_x -= b_lc[:, :, None] * b_xr[:, None, :]
+    return tl.reshape(tl.where(m_own, b_x[:, :, None, :], 0.), [BT, BT])
+
+
+@triton.jit
 def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
     """(I + L)^-1 of a strictly lower [BT, BT] L, blocked by BB rows.
 
@@ -186,13 +206,7 @@ def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
     BT/BB - 1 products after M's (precision DOT_INV)."""
     b_blk_r = (o_t // BB) * BB
     m_blk = b_blk_r[:, None] == b_blk_r[None, :]
-    b_ld = tl.where(m_blk, b_l, 0.)
-    b_x = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    for j in range(0, BB - 1):
-        # L[i, block(i) + j] per row i; X[block(c) + j, c] per column c.
-        b_lc = tl.sum(tl.where(o_t[None, :] == b_blk_r[:, None] + j, b_ld, 0.), axis=1)
-        b_xr = tl.sum(tl.where(o_t[:, None] == b_blk_r[None, :] + j, b_x, 0.), axis=0)
-        b_x -= tl.where(m_blk, b_lc[:, None] * b_xr[None, :], 0.)
+    b_x = _diag_block_inverse(b_l, BT)
     if BT > BB:
         b_m = _dot(b_x, tl.where(m_blk, 0., b_l), DOT_INV)
         b_y = b_x - _dot(b_m, b_x, DOT_INV)
