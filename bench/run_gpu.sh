@@ -40,9 +40,10 @@ for stage in "$@"; do
   echo "== $stage"
   case "$stage" in
     tests)
+      # pytest-xdist (in the machine's image): the tiers are compile-bound.
       timeout 400 python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \
         tests/test_state_pool.py tests/test_bucketed.py tests/test_triton_grad.py \
-        tests/test_example_train.py -q -ra -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+        tests/test_example_train.py -q -ra -p no:cacheprovider -n 6 > "$OUT/pytest_gpu.log" 2>&1
       tail -25 "$OUT/pytest_gpu.log" ;;
     fwdtests)
       timeout 150 python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \

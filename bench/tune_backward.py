@@ -37,6 +37,9 @@ GRIDS = {
         dict(wy_warps=4),
     ],
     "shipped": [{}],
+    # The recompute (the forward's prepare kernel storing X^T).
+    "recompute": [{}, dict(prepare_block_k=32), dict(prepare_block_k=32, inverse_dot="tf32"),
+                  dict(inverse_dot="tf32")],
     "intra": [{}, dict(intra_block_k=32, intra_warps=8)],
 }
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")

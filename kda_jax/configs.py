@@ -21,6 +21,15 @@ ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
 DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16")
 
 
+def _check_inverse_dot(name: str, value: str):
+    """The inverse's merge products compound rounding through nilpotent powers:
+    float32-grade modes or tf32 (with 16-bit inputs only, where X is used at
+    16-bit or tf32 precision afterwards); never bf16."""
+    if value not in ("ieee", "tf32x3", "tf32"):
+        raise ValueError(f"{name}={value!r} must be 'ieee', 'tf32x3' or 'tf32' (the "
+                         "inverse's merge; bf16 operands lose too much)")
+
+
 def _check_fp32_grade(name: str, value: str):
     """Products of the inverse (its merge compounds rounding through nilpotent
     powers) and with it in float32 work: only the float32-grade modes."""
@@ -44,8 +53,9 @@ class ForwardConfig:
       about fp32 accuracy), "tf32" (NVIDIA only) or "bf16" (operands rounded
       to bf16).
     inverse_dot: precision of the products that merge the inverse's 16-row
-      diagonal blocks (which are always exact float32 sweeps): "ieee" or, on
-      NVIDIA, "tf32x3".
+      diagonal blocks (which are always exact float32 sweeps) with 16-bit
+      inputs: "ieee" or, on NVIDIA, "tf32x3" or "tf32". With float32 inputs
+      the merge takes fp32_dot.
     prepare_wu_dot: precision of w = X (beta k e^G) and u = X (beta v).
     fp32_dot: precision of every product of the prepare kernel when the
       inputs are float32: users of float32 expect float32 accuracy, which the
@@ -77,7 +87,7 @@ class ForwardConfig:
             value = getattr(self, name)
             if value not in DOT_MODES:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
-        _check_fp32_grade("inverse_dot", self.inverse_dot)
+        _check_inverse_dot("inverse_dot", self.inverse_dot)
         optional = ("fp32_block_k", "state_block_v_wide", "state_warps_wide", "state_stages_wide")
         for name in ("prepare_block_k", "state_block_v", "fp32_block_k", "state_block_v_wide"):
             value = getattr(self, name)
@@ -369,7 +379,7 @@ class BackwardConfig:
             if getattr(self, name) not in DOT_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of "
                                  f"{', '.join(DOT_MODES)}")
-        _check_fp32_grade("inverse_dot", self.inverse_dot)
+        _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_fp32_dot", self.wy_fp32_dot)
         for name in ("prepare_block_k", "state_block_v", "inter_block_k", "inter_block_v",
                      "wy_block_k", "wy_block_v", "intra_block_k"):

@@ -1,6 +1,6 @@
 """Token-by-token KDA (KDA_SPEC section 1): the decode kernel.
 
-``kda_fused_recurrent_kernel`` (grid (sequences, HV, V-blocks)) walks one
+``kda_fused_recurrent_kernel`` (grid (V-blocks, HV, sequences)) walks one
 sequence's tokens in order for one value head and one V block, with the float32
 state [BK, BV] (all of K) in registers, and writes o and the final state:
 
@@ -62,7 +62,8 @@ def kda_fused_recurrent_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
 ):
-    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # V blocks first: the programs that share a state's rows run together.
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(meta + off_cu + i_n)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V

@@ -87,6 +87,26 @@ def check_rel_rms(request):
     return check
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its record to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["kda_error_record"] = [
+            [list(key), {name: list(v) for name, v in entry.items()}]
+            for key, entry in ERROR_RECORD.items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: merges a finished worker's record."""
+    for key, entry in getattr(node, "workeroutput", {}).get("kda_error_record", []):
+        for name, (value, test_id) in entry.items():
+            if name == "rel_rms":
+                _record(tuple(key), value, -1.0, test_id)
+            else:
+                _record(tuple(key), -1.0, value, test_id)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not ERROR_RECORD:
         return

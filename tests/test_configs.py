@@ -52,7 +52,7 @@ def test_unknown_arch_is_named():
     (dict(prepare_dot="fp16"), "prepare_dot='fp16' must be one of"),
     (dict(fp32_dot="tf64"), "fp32_dot='tf64' must be one of"),
     (dict(inverse_dot="tf16"), "inverse_dot='tf16' must be one of"),
-    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee' or 'tf32x3'"),
+    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3' or 'tf32'"),
 ])
 def test_forward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -62,7 +62,7 @@ def test_forward_config_refuses_bad_values(kwargs, message):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(wy_dot="tf64"), "wy_dot='tf64' must be one of"),
     (dict(wy_fp32_dot="tf32"), "wy_fp32_dot='tf32' must be 'ieee' or 'tf32x3'"),
-    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee' or 'tf32x3'"),
+    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3' or 'tf32'"),
 ])
 def test_backward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -89,3 +89,18 @@ def test_decode_v_block_narrows_past_k_128(kd, bv):
                              has_a_log=False, has_dt_bias=False, has_initial_state=True,
                              indexed_state=False)
     assert c["BV"] == bv
+
+
+@pytest.mark.parametrize("work, expected", [("bfloat16", "tf32"), ("float32", "tf32x3")])
+def test_float32_inputs_merge_the_inverse_at_fp32_dot(work, expected):
+    """A tf32 merge is a 16-bit inputs' choice: float32 inputs take fp32_dot."""
+    import jax.numpy as jnp
+
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton.forward import forward_launches
+
+    config = configs.ForwardConfig(inverse_dot="tf32", fp32_dot="tf32x3")
+    prepare, _ = forward_launches(h=2, hv=2, kd=64, vd=64, opts=KdaOptions(scale=0.125), config=config,
+                                  work=jnp.dtype(work), has_a_log=False, has_dt_bias=False,
+                                  has_initial_state=False)
+    assert configs.DOT_MODES[prepare.constexprs["DOT_INV"]] == expected

@@ -221,3 +221,12 @@ def test_lowered_program_holds_metadata_as_one_int32_constant():
     consts = re.findall(r"stablehlo\.constant dense<[^>]*> : tensor<(\d+)xi32>", text)
     meta = packed_metadata(bounds, 64).buffer
     assert consts == [str(meta.size)], consts
+
+
+def test_too_many_sequences_for_the_grid_is_named():
+    """Sequences take the decode grid's third dimension (65535 at most)."""
+    n = 65536
+    x = testing.make_inputs(0, B=1, T=n, H=1, K=4, V=4)
+    with pytest.raises(ValueError, match="at most 65535 .* got 65536 for 65536 sequences"):
+        kda_jax.fused_recurrent_kda(*x.args(), cu_seqlens=np.arange(n + 1),
+                                    implementation="triton")

@@ -57,6 +57,11 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     )
 
 
+# The decode grid is (V blocks, heads, sequences): sequences take the third
+# grid dimension, 65535 at most on CUDA and HIP.
+_MAX_GRID_Z = 65535
+
+
 def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                                opts: KdaOptions, bounds, config: RecurrentConfig,
                                pool: state_pool.StatePool | None = None):
@@ -73,6 +78,11 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
 
     meta = kernel_metadata(bounds, _META_CHUNK)
     n = meta.num_seqs
+    if meta.seq_programs > _MAX_GRID_Z:
+        raise ValueError(
+            f"fused_recurrent_kda(implementation='triton') launches one program row per "
+            f"sequence (plus one for a bucketed batch), at most {_MAX_GRID_Z} (a grid's third "
+            f"dimension); got {meta.seq_programs} for {n} sequences: split the batch")
 
     if tokens == 0:
         # Every sequence is empty: no token row is touched, but states still
@@ -99,7 +109,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
         dummy if dt_bias is None else dt_bias.astype(f32),
         st.h0, st.read_idx, st.write_idx,
         meta.buffer, meta.off_cu, n, tokens, st.slots,
-        grid=(meta.seq_programs, hv, -(-vd // consts["BV"])),
+        grid=(-(-vd // consts["BV"]), hv, meta.seq_programs),
         out_shape=[
             jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), out_dtype),
             jax.ShapeDtypeStruct(st.ht_shape, f32),
