@@ -3,7 +3,8 @@
 # Usage on the GPU machine (from the repo root): bash bench/run_gpu.sh STAGE...
 #   tests     the Triton tiers natively (forward, decode, pool, bucketed, gradients)
 #   fwdtests  the forward and decode tiers alone (about a minute)
-#   forward   bench.forward, Triton and fla, over the dense sweep, then the varlen batch
+#   forward   bench.forward, Triton and fla, over the dense sweep
+#   fvarlen   bench.forward, Triton and fla, on the serving batch (varlen)
 #   xla       bench.forward for the XLA path alone (its compiles are slow: minutes)
 #   backward  bench.backward, Triton and fla
 #   serving   bench.serving and the serving example
@@ -14,8 +15,9 @@
 #   decode    bench.tune_decode's grid
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
-# SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows (and
-# `forward` then skips its varlen batch). GRID=NAME picks bench.tune_backward's grid.
+# SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows.
+# GRID=NAME picks bench.tune_backward's grid. FORWARD_TIMEOUT, VARLEN_TIMEOUT
+# and BACKWARD_TIMEOUT (seconds) replace those stages' limits.
 # Measured on the H200: fla's first call per shape autotunes for minutes (more
 # than 110 s for three shapes), and a machine starts without a Triton cache, so
 # give `forward` and `backward` most of a call.
@@ -50,19 +52,20 @@ for stage in "$@"; do
         -q -ra -p no:cacheprovider > "$OUT/pytest_gpu_forward.log" 2>&1
       tail -12 "$OUT/pytest_gpu_forward.log" ;;
     forward)
-      timeout 420 python3 -m bench.forward --impls triton,fla ${SHAPES:+--shapes "$SHAPES"} \
-        --json "$OUT/h200-forward.json" > "$OUT/bench_forward.log" 2>&1
-      if [ -z "${SHAPES:-}" ]; then
-        timeout 120 python3 -m bench.forward --impls triton,fla --varlen "$serving_lengths" \
-          --json "$OUT/h200-forward-varlen.json" >> "$OUT/bench_forward.log" 2>&1
-      fi
-      tail -16 "$OUT/bench_forward.log" ;;
+      timeout "${FORWARD_TIMEOUT:-420}" python3 -m bench.forward --impls triton,fla \
+        ${SHAPES:+--shapes "$SHAPES"} --json "$OUT/h200-forward.json" > "$OUT/bench_forward.log" 2>&1
+      tail -12 "$OUT/bench_forward.log" ;;
+    fvarlen)
+      timeout "${VARLEN_TIMEOUT:-120}" python3 -m bench.forward --impls triton,fla \
+        --varlen "$serving_lengths" --json "$OUT/h200-forward-varlen.json" \
+        > "$OUT/bench_forward_varlen.log" 2>&1
+      tail -4 "$OUT/bench_forward_varlen.log" ;;
     xla)
       timeout 500 python3 -m bench.forward --impls xla --json "$OUT/h200-forward-xla.json" \
         > "$OUT/bench_xla.log" 2>&1
       tail -12 "$OUT/bench_xla.log" ;;
     backward)
-      timeout 500 python3 -m bench.backward --impls triton,fla ${SHAPES:+--shapes "$SHAPES"} \
+      timeout "${BACKWARD_TIMEOUT:-500}" python3 -m bench.backward --impls triton,fla ${SHAPES:+--shapes "$SHAPES"} \
         --json "$OUT/h200-backward.json" > "$OUT/bench_backward.log" 2>&1
       tail -12 "$OUT/bench_backward.log" ;;
     serving)

@@ -114,6 +114,10 @@ class ForwardConfig:
 # and 16-wide slices; tf32 for Akk and Aqk (1.165 against 1.272 ms with tf32x3,
 # o's relative RMS error 3.67e-3 against 3.60e-3; the inverse itself stays
 # fp32-grade), bf16 for w and u (3.6e-3 against 3.2e-3 with fp32 products).
+# Session 6, after the inverse's diagonal blocks moved to a [4, 16, 16] sweep
+# (forward 1.024 ms, fla 1.006): a tf32 merge of the inverse 0.949 ms against
+# 1.056 (o's error unchanged, 3.666e-3: X is rounded to bf16 for w and u
+# anyway), three stages in the state kernel 0.924 (bench.tune_forward, one run).
 # AMD: from the AOT report
 # (no AMD GPU here): whole-chunk [64, 32] tiles at 4 waves keep gfx950's
 # prepare kernel near 230 VGPRs with no spills (2 waves per SIMD); fp32
@@ -123,8 +127,8 @@ class ForwardConfig:
 # uses 2 warps per 16-32 wide V block on gfx950.
 FORWARD = {
     "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
-                          state_block_v=32, state_warps=4, state_stages=2,
-                          prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32x3",
+                          state_block_v=32, state_warps=4, state_stages=3,
+                          prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32",
                           fp32_dot="tf32x3",
                           fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8),
     "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
@@ -409,9 +413,13 @@ BACKWARD = {
     # blocks in the intra kernel at 8 warps, 5.24 at 4 warps, 5.11 at 32 wide
     # and 8 warps (shipped); one program looping over the K blocks took 5.41
     # (5.04 at 32 wide, but that spills 96 bytes).
+    # Session 6, with the inverse's [4, 16, 16] sweep (fewer registers): the
+    # recompute at 32-wide K slices no longer spills; fwd+bwd 4.873 ms against
+    # 5.014 at 16 wide, 4.783 with a tf32 merge of the inverse too (gradient
+    # errors unchanged to 3 digits; bench.tune_backward --grid recompute).
     # No kernel spills on any target (kda_jax.aot).
-    "sm90": BackwardConfig(prepare_block_k=16, prepare_warps=4, prepare_dot="tf32",
-                           prepare_wu_dot="tf32x3", inverse_dot="tf32x3", state_block_v=16,
+    "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=4, prepare_dot="tf32",
+                           prepare_wu_dot="tf32x3", inverse_dot="tf32", state_block_v=16,
                            inter_block_k=32,
                            wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="tf32",
                            wy_fp32_dot="ieee",
@@ -428,9 +436,11 @@ BACKWARD = {
 }
 
 # Chunk 32: narrower K and V blocks for the inter kernel (at [32, 16] x 64 V
-# ptxas caps it at 128 registers and spills; 16-wide V blocks take 72).
+# ptxas caps it at 128 registers and spills; 16-wide V blocks take 72); the
+# recompute at 64-wide K slices, as the forward's chunk-32 prepare (at 16 and
+# 32 wide ptxas caps it at 128 / 168 registers and it spills at K = 100).
 BACKWARD_C32 = {
-    "sm90": dataclasses.replace(BACKWARD["sm90"], prepare_block_k=16, prepare_warps=4,
+    "sm90": dataclasses.replace(BACKWARD["sm90"], prepare_block_k=64, prepare_warps=4,
                                 inter_block_k=16, inter_block_v=16),
 }
 
