@@ -2,7 +2,10 @@
 
 fla and torch's Triton run beside JAX and jax-triton badly in one process (seen
 on the H200: torch's Triton lost its cache directory once jax-triton had
-compiled), so bench.forward starts this module and reads its JSON from stdout.
+compiled), so bench.forward starts this module and reads its stdout: one JSON
+line per row as soon as it is timed ({"row": i, "ms": ...}; fla's first call
+per shape autotunes for minutes, and a sweep cut by a time limit keeps the
+rows done), then one line with the versions.
 
     python -m bench.fla_peer '[[B, T, H, K, V, cu_or_null], ...]' [forward|backward]
 
@@ -22,8 +25,7 @@ def main():
 
     rows = json.loads(sys.argv[1])
     backward = len(sys.argv) > 2 and sys.argv[2] == "backward"
-    out = []
-    for b, t, h, kd, vd, cu in rows:
+    for i, (b, t, h, kd, vd, cu) in enumerate(rows):
         q, k, v, g, beta = make(b, t, h, kd, vd)
         q, k, v = (torch.tensor(a, device="cuda", dtype=torch.bfloat16) for a in (q, k, v))
         g, beta = (torch.tensor(a, device="cuda") for a in (g, beta))
@@ -45,9 +47,9 @@ def main():
             ms = time_torch(step)
         else:
             ms = time_torch(lambda: chunk_kda(q, k, v, g, beta, **kw))
-        out.append(ms)
-    print(json.dumps({"ms": out, "torch": torch.__version__,
-                      "fla": getattr(__import__("fla"), "__version__", "?")}))
+        print(json.dumps({"row": i, "ms": ms}), flush=True)
+    print(json.dumps({"torch": torch.__version__,
+                      "fla": getattr(__import__("fla"), "__version__", "?")}), flush=True)
 
 
 if __name__ == "__main__":

@@ -38,72 +38,91 @@ def rows_of(args) -> list[tuple]:
     return [(b, t, h, None) for b, t, h in sweep]
 
 
-def fla_times(rows, kd, vd, mode="forward"):
-    """fla's chunk_kda times for ``rows`` ("forward" or "backward": forward +
-    autograd backward), measured in a child process (see bench.fla_peer)."""
+def fla_stream(rows, kd, vd, mode="forward"):
+    """Yields (row index, ms) of fla's chunk_kda for ``rows`` as each is timed
+    ("forward" or "backward": forward + autograd backward), then (None, versions),
+    measured in a child process (see bench.fla_peer)."""
     spec = [[b, t, h, kd, vd, None if cu is None else [int(x) for x in cu]] for b, t, h, cu in rows]
-    proc = subprocess.run([sys.executable, "-m", "bench.fla_peer", json.dumps(spec), mode],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"  fla failed: {proc.stderr.strip()[-400:]}", file=sys.stderr)
-        return [None] * len(rows), {}
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result["ms"], {"torch": result["torch"], "fla": result["fla"]}
+    proc = subprocess.Popen([sys.executable, "-m", "bench.fla_peer", json.dumps(spec), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if not line.startswith("{"):
+            continue
+        out = json.loads(line)
+        yield (out["row"], out["ms"]) if "row" in out else (None, out)
+    if proc.wait() != 0:
+        print(f"  fla failed: {proc.stderr.read().strip()[-400:]}", file=sys.stderr)
+
+
+def _line(b, t, h, times, impls, roof):
+    """One table row: the times, triton / fla and the roofline fraction."""
+    fla, tri = times.get("fla"), times.get("triton")
+    ratio = tri / fla if tri and fla else float("nan")
+    line = f"{b:>2} {t:>6} {h:>3} " + " ".join(
+        f"{times[i]:>10.3f}" if times.get(i) else f"{'-':>10}" for i in impls) + f"  {ratio:>10.3f}"
+    if roof:
+        line += f"  {100 * roof[0] / tri:>8.1f}" if tri else f"  {'-':>8}"
+    return line
 
 
 def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None):
     """Times every row: ``runner(impl, arrays, cu)`` gives a timing closure for
     a kda_jax implementation; ``extra(b, t, h)`` adds fields to each record;
     ``roofline(b, t, h, kd, vd)`` -> (ms, bytes, flops) adds the roofline
-    columns. Prints the table and writes ``args.json``."""
+    columns. kda_jax's rows first, then fla's in a child process; ``args.json``
+    is rewritten after every row, so a run cut short keeps what it measured.
+    Prints the table; returns each row's {implementation: ms or None}."""
     impls = args.impls.split(",")
+    ours = [i for i in impls if i != "fla"]
     kd = vd = args.head_dim
     rows = rows_of(args)
-    fla_ms, fla_versions = ([None] * len(rows), {})
-    if "fla" in impls:
-        fla_ms, fla_versions = fla_times(rows, kd, vd, mode=mode)
     meta = versions()
-    meta.update(fla_versions)
     meta["command"] = f"python -m {module} " + " ".join(
         argv if argv is not None else sys.argv[1:])
-    records = []
-    print(f"{'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
-          + "  triton/fla" + ("  roofline%" if roofline else ""))
-    for row, (b, t, h, cu) in enumerate(rows):
-        arrays = make(b, t, h, kd, vd)
-        times = {}
-        for impl in impls:
-            if impl == "fla":
-                times[impl] = fla_ms[row]
-                continue
-            try:
-                times[impl] = runner(impl, arrays, cu)()
-            except Exception as e:  # noqa: BLE001 - record and go on to the next peer
-                times[impl] = None
-                print(f"  {impl} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        fla = times.get("fla")
-        fields = dict(extra(b, t, h)) if extra else {}
-        roof = roofline(b, t, h, kd, vd) if roofline else None
-        for impl in impls:
-            ms = times[impl]
-            if roof:
-                fields.update(roofline_ms=roof[0], roofline_fraction=(roof[0] / ms) if ms else None,
-                              model_bytes=roof[1], model_flops=roof[2])
-            records.append(dict(
-                B=b, T=t, H=h, K=kd, V=vd, dtype="bfloat16",
-                varlen=None if cu is None else [int(x) for x in np.diff(cu)],
-                implementation="fla" if impl == "fla" else f"kda_jax-{impl}", ms=ms,
-                ratio_to_fla=(ms / fla) if (ms and fla) else None, **fields, **meta,
-            ))
-        ratio = times.get("triton") / fla if times.get("triton") and fla else float("nan")
-        line = f"{b:>2} {t:>6} {h:>3} " + " ".join(
-            f"{times[i]:>10.3f}" if times[i] else f"{'-':>10}" for i in impls) + f"  {ratio:>10.3f}"
-        if roof:
-            frac = roof[0] / times["triton"] if times.get("triton") else float("nan")
-            line += f"  {100 * frac:>8.1f}"
-        print(line, flush=True)
-    if args.json:
+    times = [dict.fromkeys(impls) for _ in rows]
+    roofs = [roofline(b, t, h, kd, vd) if roofline else None for b, t, h, _ in rows]
+
+    def save():
+        if not args.json:
+            return
+        records = []
+        for (b, t, h, cu), row_times, roof in zip(rows, times, roofs):
+            fields = dict(extra(b, t, h)) if extra else {}
+            fla = row_times.get("fla")
+            for impl in impls:
+                ms = row_times[impl]
+                if roof:
+                    fields.update(roofline_ms=roof[0], model_bytes=roof[1], model_flops=roof[2],
+                                  roofline_fraction=(roof[0] / ms) if ms else None)
+                records.append(dict(
+                    B=b, T=t, H=h, K=kd, V=vd, dtype="bfloat16",
+                    varlen=None if cu is None else [int(x) for x in np.diff(cu)],
+                    implementation="fla" if impl == "fla" else f"kda_jax-{impl}", ms=ms,
+                    ratio_to_fla=(ms / fla) if (ms and fla) else None, **fields, **meta))
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
-    return records
+
+    header = (f"{'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
+              + "  triton/fla" + ("  roofline%" if roofline else ""))
+    print(header, flush=True)
+    for row, (b, t, h, cu) in enumerate(rows):
+        arrays = make(b, t, h, kd, vd)
+        for impl in ours:
+            try:
+                times[row][impl] = runner(impl, arrays, cu)()
+            except Exception as e:  # noqa: BLE001 - record and go on to the next peer
+                print(f"  {impl} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)
+        save()
+    if "fla" in impls:
+        print("fla (child process):", flush=True)
+        for row, value in fla_stream(rows, kd, vd, mode=mode):
+            if row is None:
+                meta.update(value)
+            else:
+                times[row]["fla"] = value
+                b, t, h, _ = rows[row]
+                print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)
+            save()
+    return times
