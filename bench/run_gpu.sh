@@ -11,6 +11,7 @@
 #   profile   Nsight Compute per-kernel times at (1, 8192, 32)
 #   bprofile  the same for forward + backward
 #   tune      bench.tune_forward's grid
+#   dprofile  Nsight Compute per kernel of a dense decode step (N = 256), kda_jax and fla
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
@@ -79,6 +80,12 @@ for stage in "$@"; do
     bprofile)
       timeout 200 ncu --clock-control none --print-summary per-kernel python3 -m bench.profile_once \
         --backward 2>&1 | grep -E "^  [a-z_]|Duration|Registers" | tee "$OUT/ncu_backward.log" ;;
+    dprofile)
+      for peer in "bench.profile_once --decode 256" "bench.fla_profile --decode 256"; do
+        echo "# $peer"
+        timeout 150 ncu --clock-control none --print-summary per-kernel python3 -m $peer 2>&1 \
+          | grep -E "^  [a-zA-Z_]|Duration|DRAM Throughput|Registers|Achieved Occupancy"
+      done | tee "$OUT/ncu_decode.log" ;;
     source)
       timeout 240 ncu --kernel-name kda_fwd_prepare_kernel --launch-count 1 --set full \
         --import-source yes -o "$OUT/prepare" python3 -m bench.profile_once > "$OUT/ncu_source.log" 2>&1
