@@ -103,18 +103,19 @@ def lowered():
 def test_bucketed_step_lowers_with_bucket_grids_and_an_aliased_pool(lowered, arch, fn):
     got = lowered[f"{arch}/{fn}"]
     grids = {c["kernel"]: c["grid"] for c in got["calls"]}
-    seq_grid = [BUCKET.max_seqs + 1, HV, None]  # the sequence slots plus the tail program
+    seq_programs = BUCKET.max_seqs + 1  # the sequence slots plus the tail program
     if fn == "chunk":
         assert sorted(grids) == ["kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel"]
         assert grids["kda_fwd_prepare_kernel"] == [BUCKET.max_chunks, HV, 1]
-        state = grids["kda_fwd_state_output_kernel"]
+        state = grids["kda_fwd_state_output_kernel"]  # (sequences, heads, V blocks)
+        assert state[:2] == [seq_programs, HV] and state[2] >= 1
         # Only the state kernel takes the pool: its output aliases it.
         assert sorted(got["aliased"]) == [False, True]
     else:
         assert list(grids) == ["kda_fused_recurrent_kernel"]
-        state = grids["kda_fused_recurrent_kernel"]
+        decode = grids["kda_fused_recurrent_kernel"]  # (V blocks, heads, sequences)
+        assert decode[0] >= 1 and decode[1:] == [HV, seq_programs]
         assert got["aliased"] == [True]
-    assert state[:2] == seq_grid[:2] and state[2] >= 1
     # The metadata is an argument: no int32 constant holds bounds (only zero stand-ins).
     assert all(set(c) <= {0} for c in got["i32_constants"]), got["i32_constants"]
     assert got["same_module"], "two bounds of one bucket lowered differently"
