@@ -18,7 +18,9 @@
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 # SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows.
 # GRID=NAME picks bench.tune_backward's grid. FORWARD_TIMEOUT, VARLEN_TIMEOUT
-# and BACKWARD_TIMEOUT (seconds) replace those stages' limits.
+# and BACKWARD_TIMEOUT (seconds) replace those stages' limits. IMPLS (default
+# "triton,fla") picks the implementations of `forward` and `backward`, e.g.
+# "triton,xla,fla" for the XLA column in the same run (its compiles take minutes).
 # Measured on the H200: fla's first call per shape autotunes for minutes (more
 # than 110 s for three shapes), and a machine starts without a Triton cache, so
 # give `forward` and `backward` most of a call.
@@ -53,7 +55,7 @@ for stage in "$@"; do
         -q -ra -p no:cacheprovider > "$OUT/pytest_gpu_forward.log" 2>&1
       tail -12 "$OUT/pytest_gpu_forward.log" ;;
     forward)
-      timeout "${FORWARD_TIMEOUT:-420}" python3 -m bench.forward --impls triton,fla \
+      timeout "${FORWARD_TIMEOUT:-420}" python3 -m bench.forward --impls "${IMPLS:-triton,fla}" \
         ${SHAPES:+--shapes "$SHAPES"} --json "$OUT/h200-forward.json" > "$OUT/bench_forward.log" 2>&1
       tail -12 "$OUT/bench_forward.log" ;;
     fvarlen)
@@ -66,7 +68,8 @@ for stage in "$@"; do
         > "$OUT/bench_xla.log" 2>&1
       tail -12 "$OUT/bench_xla.log" ;;
     backward)
-      timeout "${BACKWARD_TIMEOUT:-500}" python3 -m bench.backward --impls triton,fla ${SHAPES:+--shapes "$SHAPES"} \
+      timeout "${BACKWARD_TIMEOUT:-500}" python3 -m bench.backward --impls "${IMPLS:-triton,fla}" \
+        ${SHAPES:+--shapes "$SHAPES"} \
         --json "$OUT/h200-backward.json" > "$OUT/bench_backward.log" 2>&1
       tail -12 "$OUT/bench_backward.log" ;;
     serving)

@@ -194,7 +194,9 @@ _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 def _decode_launch_for(kernel: str, target: str, spec: Spec):
     """_launch_for of the decode kernel (config: configs.RECURRENT[target]; the
-    spec's chunk size does not apply, and "all" flags add the state pool)."""
+    spec's chunk size does not apply; "default" flags compile the uniform
+    one-token form of a dense decode step, "all" flags the varlen form with
+    the state pool)."""
     from kda_jax.configs import recurrent_config
     from kda_jax.triton.forward import KernelLaunch
     from kda_jax.triton.recurrent import recurrent_constexprs
@@ -204,7 +206,7 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
     consts = recurrent_constexprs(
         h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config,
         has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0,
-        indexed_state=spec.flags == "all")
+        indexed_state=spec.flags == "all", uniform_len=1 if spec.flags == "default" else None)
     return KernelLaunch(kernel, consts, config.warps, config.stages), config, spec.dtype
 
 

@@ -150,6 +150,10 @@ class KernelMetadata:
       the token rows past the real end.
     chunk_programs: grid rows of the chunk-parallel kernel (chunk slots).
     bucketed: whether the buffer is a batch's.
+    uniform_len: host bounds whose sequences all have this one length (a dense
+      batch, or a decode step of one token each): a kernel can then place
+      sequence n at n * uniform_len without loading its bounds. None otherwise
+      (a batch's bounds are device data).
     """
 
     buffer: jax.Array
@@ -160,6 +164,7 @@ class KernelMetadata:
     seq_programs: int
     chunk_programs: int
     bucketed: bool
+    uniform_len: int | None = None
 
 
 def kernel_metadata(varlen: SeqBounds | VarlenBatch, chunk_size: int) -> KernelMetadata:
@@ -174,12 +179,14 @@ def kernel_metadata(varlen: SeqBounds | VarlenBatch, chunk_size: int) -> KernelM
             bucketed=True,
         )
     packed = packed_metadata(varlen, chunk_size)
+    lengths = varlen.lengths
     return KernelMetadata(
         buffer=jnp.asarray(packed.buffer),  # the one int32 constant of the program
         off_cu=packed.offset("cu_seqlens"), off_co=packed.offset("chunk_offsets"),
         off_ct=packed.offset("chunk_table"), num_seqs=varlen.num_seqs,
         seq_programs=varlen.num_seqs, chunk_programs=chunk_table(varlen, chunk_size).shape[0],
         bucketed=False,
+        uniform_len=int(lengths[0]) if len(lengths) and np.all(lengths == lengths[0]) else None,
     )
 
 

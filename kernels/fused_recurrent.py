@@ -11,7 +11,10 @@ state [BK, BV] (all of K) in registers, and writes o and the final state:
 Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV]; o [T, HV, V];
   states [rows, HV, K, V] ([rows, HV, V, K] with STATE_V_FIRST), float32.
-Varlen comes from one int32 metadata buffer with cu_seqlens at ``off_cu``.
+Varlen comes from one int32 metadata buffer with cu_seqlens at ``off_cu``;
+with UNIFORM (host bounds whose sequences all have SEQ_LEN tokens, e.g. a decode
+step of one token each) sequence n spans [n * SEQ_LEN, (n + 1) * SEQ_LEN) and no
+bound is loaded: the loads of a program's tokens then wait on nothing.
 Programs i_n < n_seqs are sequences; a program i_n == n_seqs (launched for a
 bucketed batch only) writes o = 0 on the token rows [cu_seqlens[n_seqs],
 n_tokens), which belong to no sequence.
@@ -61,10 +64,14 @@ def kda_fused_recurrent_kernel(
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
+    UNIFORM: tl.constexpr, SEQ_LEN: tl.constexpr,
 ):
     # V blocks first: the programs that share a state's rows run together.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(meta + off_cu + i_n)
+    if UNIFORM:
+        bos = i_n * SEQ_LEN
+    else:
+        bos = tl.load(meta + off_cu + i_n)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     if i_n < n_seqs:
@@ -72,7 +79,7 @@ def kda_fused_recurrent_kernel(
             q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
             o, ht, i_n, i_hv, bos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM, USE_GATE,
             HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID, BETA_SCALE,
-            USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE)
+            USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, UNIFORM, SEQ_LEN)
     else:
         # The tail program of a bucketed batch: o = 0 on rows [bos, n_tokens).
         o_z = tl.arange(0, TAIL_ROWS)
@@ -94,10 +101,14 @@ def _recurrent_sequence(
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
+    UNIFORM: tl.constexpr, SEQ_LEN: tl.constexpr,
 ):
     """Sequence i_n's tokens in order (kda_fused_recurrent_kernel's body)."""
     i_h = i_hv // (HV // H)
-    eos = tl.load(meta + off_cu + i_n + 1)
+    if UNIFORM:
+        eos = bos + SEQ_LEN
+    else:
+        eos = tl.load(meta + off_cu + i_n + 1)
 
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     b_h = load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV,

@@ -199,3 +199,15 @@ def test_host_tables_stay_cached_per_bounds():
     for _ in range(3):
         bucketed_metadata(bounds, Bucket(4, 128))
     assert chunk_offsets.cache_info().hits > before
+
+
+@pytest.mark.parametrize("lens, uniform", [
+    ([1] * 5, 1), ([64, 64, 64], 64), ([0, 0], 0), ([1, 2], None), ([3, 0, 3], None)])
+def test_kernel_metadata_names_a_uniform_length(lens, uniform):
+    """Host bounds of one length let the decode kernel skip its bound loads."""
+    from kda_jax.batch import kernel_metadata
+
+    bounds = SeqBounds.from_lengths(np.array(lens, np.int64))
+    assert kernel_metadata(bounds, 64).uniform_len == uniform
+    batch = VarlenBatch.from_lengths(lens, Bucket(8, 256))  # device bounds: never uniform
+    assert kernel_metadata(batch, 64).uniform_len is None

@@ -35,9 +35,11 @@ def _pow2(n: int) -> int:
 
 def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                          config: RecurrentConfig, has_a_log: bool, has_dt_bias: bool,
-                         has_initial_state: bool, indexed_state: bool) -> dict:
+                         has_initial_state: bool, indexed_state: bool,
+                         uniform_len: int | None = None) -> dict:
     """The kernel's constexprs for these shapes, options and config (the one
-    place they are derived)."""
+    place they are derived). ``uniform_len``: every sequence has this many
+    tokens (host bounds; the kernel then loads no bound), None: varlen."""
     return dict(
         H=h, HV=hv, K=kd, V=vd,
         BK=_pow2(max(kd, 16)),
@@ -54,6 +56,8 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         STORE_FINAL_STATE=opts.output_final_state or indexed_state,
         STATE_V_FIRST=opts.state_v_first,
         INDEXED_STATE=indexed_state,
+        UNIFORM=uniform_len is not None,
+        SEQ_LEN=uniform_len or 0,
     )
 
 
@@ -98,6 +102,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
         h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         has_initial_state=initial_state is not None, indexed_state=indexed,
+        uniform_len=meta.uniform_len,
     )
     state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
     st = state_pool.kernel_states(pool, initial_state, state_shape, opts.output_final_state)
