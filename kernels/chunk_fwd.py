@@ -196,10 +196,10 @@ def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
     """(I + L)^-1 of a strictly lower [BT, BT] L, blocked by BB rows.
 
     The diagonal blocks B = I + L_d first, all of them together, by a column
-    sweep in float32: once columns < j of a block are applied, its row j of X
-    is final, and its column j of L removes L[:, j] X[j, :] from the rows below
-    (BB - 1 dependent steps, each one reduction across the program for the
-    rows and one within rows for the columns). Then with D = B^-1 and E the
+    sweep in float32 (_diag_block_inverse): once columns < j of a block are
+    applied, its row j of X is final, and its column j of L removes
+    L[:, j] X[j, :] from the rows below (BB - 1 dependent steps, each a row and
+    a column reduction within the blocks). Then with D = B^-1 and E the
     part of L below the diagonal blocks, I + L = B (I + M) with M = D E
     strictly block-lower, so M^(BT/BB) = 0 and
         (I + L)^-1 = (I - M + M^2 - ...) D = D - M (D - M (D - ...)),
