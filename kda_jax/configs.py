@@ -118,6 +118,8 @@ class ForwardConfig:
 # (forward 1.024 ms, fla 1.006): a tf32 merge of the inverse 0.949 ms against
 # 1.056 (o's error unchanged, 3.666e-3: X is rounded to bf16 for w and u
 # anyway), three stages in the state kernel 0.924 (bench.tune_forward, one run).
+# Wide state tiles keep two stages: float32 at K = 128 takes 248 KiB of shared
+# memory at three (over the H200's 227 KiB; 132 KiB at two).
 # AMD: from the AOT report
 # (no AMD GPU here): whole-chunk [64, 32] tiles at 4 waves keep gfx950's
 # prepare kernel near 230 VGPRs with no spills (2 waves per SIMD); fp32
@@ -130,7 +132,8 @@ FORWARD = {
                           state_block_v=32, state_warps=4, state_stages=3,
                           prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32",
                           fp32_dot="tf32x3",
-                          fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8),
+                          fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8,
+                          state_stages_wide=2),
     "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                             state_block_v=32, state_warps=2, state_stages=2),
     "gfx942": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
