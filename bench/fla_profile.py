@@ -24,10 +24,11 @@ def main():
         from fla.ops.kda import fused_recurrent_kda
 
         n = int(sys.argv[2])
+        arrays = make(1, n, 32, 128, 128, 1)
         q, k, v = (torch.tensor(a, device="cuda", dtype=torch.bfloat16).reshape(n, 1, 32, 128)
-                   for a in make(1, n, 32, 128, 128, 1)[:3])
+                   for a in arrays[:3])
         g, beta = (torch.tensor(a, device="cuda").reshape((n, 1) + a.shape[2:])
-                   for a in make(1, n, 32, 128, 128, 1)[3:])
+                   for a in arrays[3:])
         h0 = torch.zeros((n, 32, 128, 128), device="cuda")
         for _ in range(3):
             fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)

@@ -17,10 +17,6 @@ import jax.numpy as jnp
 import kda_jax
 from bench.inputs import make
 
-q, k, v, g, beta = (jnp.asarray(a, jnp.bfloat16 if i < 3 else jnp.float32)
-                    for i, a in enumerate(make(1, 8192, 32, 128, 128)))
-
-
 def forward(*a):
     return kda_jax.chunk_kda(*a, implementation="triton")[0]
 
@@ -34,6 +30,8 @@ if "--decode" in sys.argv[1:]:
     for _ in range(3):
         jax.block_until_ready(step(h0, *x))
     sys.exit(0)
+q, k, v, g, beta = (jnp.asarray(a, jnp.bfloat16 if i < 3 else jnp.float32)
+                    for i, a in enumerate(make(1, 8192, 32, 128, 128)))
 if "--backward" in sys.argv[1:]:
     run = jax.jit(jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4)))
 else:

@@ -5,6 +5,7 @@ collecting one JSON record per (row, implementation)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -43,16 +44,18 @@ def fla_stream(rows, kd, vd, mode="forward"):
     ("forward" or "backward": forward + autograd backward), then (None, versions),
     measured in a child process (see bench.fla_peer)."""
     spec = [[b, t, h, kd, vd, None if cu is None else [int(x) for x in cu]] for b, t, h, cu in rows]
+    # stderr joins stdout: a pipe nobody reads fills up and stalls a chatty child.
     proc = subprocess.Popen([sys.executable, "-m", "bench.fla_peer", json.dumps(spec), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    other = collections.deque(maxlen=20)  # the child's last other lines, for a failure
     for line in proc.stdout:
         if not line.startswith("{"):
+            other.append(line.rstrip())
             continue
         out = json.loads(line)
         yield (out["row"], out["ms"]) if "row" in out else (None, out)
     if proc.wait() != 0:
-        print(f"  fla failed: {proc.stderr.read().strip()[-400:]}", file=sys.stderr)
-
+        print(f"  fla failed: {chr(10).join(other)[-400:]}", file=sys.stderr)
 
 def _line(b, t, h, times, impls, roof):
     """One table row: the times, triton / fla and the roofline fraction."""

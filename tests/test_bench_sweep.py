@@ -47,18 +47,24 @@ def test_a_failing_implementation_is_a_record(tmp_path, monkeypatch, capsys):
     assert "out of resources" in capsys.readouterr().err
 
 
-def test_fla_stream_reads_the_child_line_by_line(monkeypatch):
+def test_fla_stream_reads_the_child_line_by_line(monkeypatch, capsys):
     class Child:
-        stdout = io.StringIO('{"row": 0, "ms": 1.25}\nnoise\n{"row": 1, "ms": 3.5}\n'
-                             '{"torch": "t", "fla": "f"}\n')
-        stderr = io.StringIO("")
-
         def __init__(self, argv, **kw):
             assert argv[1:3] == ["-m", "bench.fla_peer"] and argv[-1] == "backward"
+            # stderr must not be a pipe nobody reads: a chatty child would stall.
+            assert kw["stderr"] is sweep.subprocess.STDOUT
+            self.stdout = io.StringIO(self.text)
 
         def wait(self):
-            return 0
+            return self.rc
 
+    Child.text, Child.rc = ('{"row": 0, "ms": 1.25}\nnoise\n{"row": 1, "ms": 3.5}\n'
+                            '{"torch": "t", "fla": "f"}\n'), 0
     monkeypatch.setattr(sweep.subprocess, "Popen", Child)
     got = list(sweep.fla_stream([(1, 64, 2, None), (1, 64, 2, None)], 16, 16, "backward"))
     assert got == [(0, 1.25), (1, 3.5), (None, {"torch": "t", "fla": "f"})]
+
+    Child.text, Child.rc = '{"row": 0, "ms": 2.0}\nTraceback\nOutOfMemoryError: CUDA\n', 1
+    got = list(sweep.fla_stream([(1, 64, 2, None)] * 2, 16, 16, "backward"))
+    assert got == [(0, 2.0)]
+    assert "OutOfMemoryError: CUDA" in capsys.readouterr().err
