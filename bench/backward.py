@@ -1,7 +1,7 @@
 """chunk_kda forward + backward: kda_jax (Triton, XLA) against fla's chunk_kda
 (PyTorch autograd) in one run, on a GPU.
 
-    python -m bench.backward [--impls triton,xla,fla] [--varlen 1,1,1100,1300]
+    python -m bench.backward [--impls triton,fla,xla] [--varlen 1,1,1100,1300]
                              [--json bench/results/h200-backward.json]
 
 Each step computes o = chunk_kda(q, k, v, g, beta) (bf16 q, k, v; float32 g,

@@ -1,6 +1,6 @@
 """chunk_kda forward: kda_jax (Triton, XLA) against fla's chunk_kda (PyTorch) in one run.
 
-    python -m bench.forward [--varlen 1,1,1100,1300] [--impls triton,xla,fla] [--json PATH]
+    python -m bench.forward [--varlen 1,1,1100,1300] [--impls triton,fla,xla] [--json PATH]
 
 Times exclude compilation. Each row also gives the fraction of the H200's
 roofline: the model below counts the fewest bytes (inputs read once, o written

@@ -7,7 +7,8 @@
 #   fvarlen   bench.forward, Triton and fla, on the serving batch (varlen)
 #   xla       bench.forward for the XLA path alone (its compiles are slow: minutes)
 #   backward  bench.backward, Triton and fla
-#   serving   bench.serving and the serving example
+#   serving   bench.serving (SERVING_TIMEOUT)
+#   serveloop the serving example (examples/serve_loop.py)
 #   profile   Nsight Compute per-kernel times at (1, 8192, 32)
 #   bprofile  the same for forward + backward
 #   tune      bench.tune_forward's grid
@@ -16,11 +17,12 @@
 #   decode    bench.tune_decode's grid
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
+#   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
 # SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows.
 # GRID=NAME picks bench.tune_backward's grid. FORWARD_TIMEOUT, VARLEN_TIMEOUT
 # and BACKWARD_TIMEOUT (seconds) replace those stages' limits. IMPLS (default
 # "triton,fla") picks the implementations of `forward` and `backward`, e.g.
-# "triton,xla,fla" for the XLA column in the same run (its compiles take minutes).
+# "triton,fla,xla" for the XLA column in the same run, last (its compiles take minutes).
 # Measured on the H200: fla's first call per shape autotunes for minutes (more
 # than 110 s for three shapes), and a machine starts without a Triton cache, so
 # give `forward` and `backward` most of a call.
@@ -33,7 +35,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCAT
 # shape autotunes for minutes: Triton keeps the winners on disk
 # (TRITON_CACHE_AUTOTUNING), and a machine starts bare, so the `savecache`
 # stage sends them back and a later call brings them (carry .triton-autotune).
-export HOME=/tmp TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
+# TRITON_CACHE_DIR is Triton's default under HOME: importing jax-triton empties
+# the variable, and bench.sweep's fla child then falls back to that default.
+export HOME=/tmp TRITON_CACHE_DIR=/tmp/.triton/cache TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .triton-autotune/autotune.tgz ]; then
   tar xzf .triton-autotune/autotune.tgz -C "$TRITON_CACHE_DIR"
@@ -59,7 +63,7 @@ for stage in "$@"; do
         ${SHAPES:+--shapes "$SHAPES"} --json "$OUT/h200-forward.json" > "$OUT/bench_forward.log" 2>&1
       tail -12 "$OUT/bench_forward.log" ;;
     fvarlen)
-      timeout "${VARLEN_TIMEOUT:-120}" python3 -m bench.forward --impls triton,fla \
+      timeout "${VARLEN_TIMEOUT:-120}" python3 -m bench.forward --impls "${IMPLS:-triton,fla}" \
         --varlen "$serving_lengths" --json "$OUT/h200-forward-varlen.json" \
         > "$OUT/bench_forward_varlen.log" 2>&1
       tail -4 "$OUT/bench_forward_varlen.log" ;;
@@ -73,8 +77,10 @@ for stage in "$@"; do
         --json "$OUT/h200-backward.json" > "$OUT/bench_backward.log" 2>&1
       tail -12 "$OUT/bench_backward.log" ;;
     serving)
-      timeout 300 python3 -m bench.serving --json "$OUT/h200-serving.json" > "$OUT/bench_serving.log" 2>&1
-      tail -16 "$OUT/bench_serving.log"
+      timeout "${SERVING_TIMEOUT:-300}" python3 -m bench.serving --json "$OUT/h200-serving.json" \
+        > "$OUT/bench_serving.log" 2>&1
+      tail -16 "$OUT/bench_serving.log" ;;
+    serveloop)
       timeout 120 python3 examples/serve_loop.py --steps 200 --check 3 > "$OUT/serve_loop.log" 2>&1
       tail -6 "$OUT/serve_loop.log" ;;
     profile)
@@ -108,6 +114,9 @@ for stage in "$@"; do
     savecache)
       (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)
       ls -l "$OUT/autotune.tgz" ;;
+    pack)
+      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log *.txt *.csv 2>/dev/null))
+      tar tzf "$OUT/logs.tgz" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

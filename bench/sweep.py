@@ -20,7 +20,8 @@ from kda_jax.testing import DENSE_SWEEP
 
 def add_arguments(p):
     """The options every sweep takes."""
-    p.add_argument("--impls", default="triton,xla,fla")
+    p.add_argument("--impls", default="triton,fla,xla",
+                   help="measured in this order, each over every row")
     p.add_argument("--varlen", default=None, help="comma-separated lengths: one B=1 call")
     p.add_argument("--heads", type=int, default=32, help="H for --varlen")
     p.add_argument("--head-dim", type=int, default=128)
@@ -46,7 +47,8 @@ def fla_stream(rows, kd, vd, mode="forward"):
     spec = [[b, t, h, kd, vd, None if cu is None else [int(x) for x in cu]] for b, t, h, cu in rows]
     # stderr joins stdout: a pipe nobody reads fills up and stalls a chatty child.
     proc = subprocess.Popen([sys.executable, "-m", "bench.fla_peer", json.dumps(spec), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env())
     other = collections.deque(maxlen=20)  # the child's last other lines, for a failure
     for line in proc.stdout:
         if not line.startswith("{"):
@@ -56,6 +58,17 @@ def fla_stream(rows, kd, vd, mode="forward"):
         yield (out["row"], out["ms"]) if "row" in out else (None, out)
     if proc.wait() != 0:
         print(f"  fla failed: {chr(10).join(other)[-400:]}", file=sys.stderr)
+
+def child_env() -> dict:
+    """This process's environment for fla's child, less an empty TRITON_CACHE_DIR:
+    importing jax-triton sets it to "" (seen on the H200: torch's Triton in the
+    child then fails with "Could not create or locate cache dir"); without it
+    Triton uses ~/.triton/cache, where bench/run_gpu.sh keeps fla's autotuning."""
+    env = dict(os.environ)
+    if not env.get("TRITON_CACHE_DIR"):
+        env.pop("TRITON_CACHE_DIR", None)
+    return env
+
 
 def _line(b, t, h, times, impls, roof):
     """One table row: the times, triton / fla and the roofline fraction."""
@@ -72,11 +85,12 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
     """Times every row: ``runner(impl, arrays, cu)`` gives a timing closure for
     a kda_jax implementation; ``extra(b, t, h)`` adds fields to each record;
     ``roofline(b, t, h, kd, vd)`` -> (ms, bytes, flops) adds the roofline
-    columns. kda_jax's rows first, then fla's in a child process; ``args.json``
-    is rewritten after every row, so a run cut short keeps what it measured.
+    columns. Each implementation goes over every row in ``args.impls`` order
+    (fla's in a child process), so "triton,fla,xla" leaves the XLA path's slow
+    compiles for last; ``args.json`` is rewritten after every row, so a run cut
+    short keeps what it measured.
     Prints the table; returns each row's {implementation: ms or None}."""
     impls = args.impls.split(",")
-    ours = [i for i in impls if i != "fla"]
     kd = vd = args.head_dim
     rows = rows_of(args)
     meta = versions()
@@ -109,23 +123,24 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
     header = (f"{'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
               + "  triton/fla" + ("  roofline%" if roofline else ""))
     print(header, flush=True)
-    for row, (b, t, h, cu) in enumerate(rows):
-        arrays = make(b, t, h, kd, vd)
-        for impl in ours:
+    for impl in impls:  # one implementation over every row, in --impls order
+        if impl == "fla":
+            print("fla (child process):", flush=True)
+            for row, value in fla_stream(rows, kd, vd, mode=mode):
+                if row is None:
+                    meta.update(value)
+                else:
+                    times[row]["fla"] = value
+                    b, t, h, _ = rows[row]
+                    print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)
+                save()
+            continue
+        print(f"{impl}:", flush=True)
+        for row, (b, t, h, cu) in enumerate(rows):
             try:
-                times[row][impl] = runner(impl, arrays, cu)()
+                times[row][impl] = runner(impl, make(b, t, h, kd, vd), cu)()
             except Exception as e:  # noqa: BLE001 - record and go on to the next peer
                 print(f"  {impl} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)
-        save()
-    if "fla" in impls:
-        print("fla (child process):", flush=True)
-        for row, value in fla_stream(rows, kd, vd, mode=mode):
-            if row is None:
-                meta.update(value)
-            else:
-                times[row]["fla"] = value
-                b, t, h, _ = rows[row]
-                print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)
+            print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)
             save()
     return times

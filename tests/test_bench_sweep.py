@@ -1,5 +1,5 @@
-"""bench.sweep, the forward and backward sweeps' driver: kda_jax's rows first,
-fla's streamed from a child, the JSON rewritten after every row (a sweep cut by
+"""bench.sweep, the forward and backward sweeps' driver: implementations in
+--impls order, fla's rows streamed from a child, the JSON rewritten after every row (a sweep cut by
 a time limit keeps what it measured)."""
 
 import argparse
@@ -35,6 +35,24 @@ def test_fla_rows_arrive_one_by_one_and_a_cut_run_keeps_them(tmp_path, monkeypat
     assert "0.750" in capsys.readouterr().out
 
 
+def test_implementations_run_in_impls_order(tmp_path, monkeypatch):
+    calls = []
+
+    def fla_rows(rows, kd, vd, mode):
+        calls.append("fla")
+        yield from ((i, 2.0) for i in range(len(rows)))
+
+    def runner(impl, arrays, cu):
+        calls.append(impl)
+        return lambda: 1.0
+
+    monkeypatch.setattr(sweep, "fla_stream", fla_rows)
+    sweep.run(_args(tmp_path, "triton,fla,xla"), [], module="bench.forward", runner=runner,
+              mode="forward")
+    # the XLA path's slow compiles come last: a run cut there keeps fla's rows
+    assert calls == ["triton", "triton", "fla", "xla", "xla"]
+
+
 def test_a_failing_implementation_is_a_record(tmp_path, monkeypatch, capsys):
     def runner(impl, arrays, cu):
         def time_it():
@@ -53,6 +71,8 @@ def test_fla_stream_reads_the_child_line_by_line(monkeypatch, capsys):
             assert argv[1:3] == ["-m", "bench.fla_peer"] and argv[-1] == "backward"
             # stderr must not be a pipe nobody reads: a chatty child would stall.
             assert kw["stderr"] is sweep.subprocess.STDOUT
+            # jax-triton empties TRITON_CACHE_DIR at import; torch's Triton needs a real one.
+            assert "TRITON_CACHE_DIR" not in kw["env"] and kw["env"]["KEEP"] == "1"
             self.stdout = io.StringIO(self.text)
 
         def wait(self):
@@ -61,6 +81,8 @@ def test_fla_stream_reads_the_child_line_by_line(monkeypatch, capsys):
     Child.text, Child.rc = ('{"row": 0, "ms": 1.25}\nnoise\n{"row": 1, "ms": 3.5}\n'
                             '{"torch": "t", "fla": "f"}\n'), 0
     monkeypatch.setattr(sweep.subprocess, "Popen", Child)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
+    monkeypatch.setenv("KEEP", "1")
     got = list(sweep.fla_stream([(1, 64, 2, None), (1, 64, 2, None)], 16, 16, "backward"))
     assert got == [(0, 1.25), (1, 3.5), (None, {"torch": "t", "fla": "f"})]
 
