@@ -19,9 +19,9 @@
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
 # SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows.
-# GRID=NAME picks bench.tune_backward's grid. FORWARD_TIMEOUT, VARLEN_TIMEOUT
-# and BACKWARD_TIMEOUT (seconds) replace those stages' limits. IMPLS (default
-# "triton,fla") picks the implementations of `forward` and `backward`, e.g.
+# GRID=NAME picks bench.tune_backward's grid. FORWARD_TIMEOUT, VARLEN_TIMEOUT,
+# BACKWARD_TIMEOUT, SERVING_TIMEOUT and TESTS_TIMEOUT (seconds) replace those
+# stages' limits. IMPLS (default "triton,fla") picks the implementations of `forward` and `backward`, e.g.
 # "triton,fla,xla" for the XLA column in the same run, last (its compiles take minutes).
 # Measured on the H200: fla's first call per shape autotunes for minutes (more
 # than 110 s for three shapes), and a machine starts without a Triton cache, so
@@ -50,7 +50,7 @@ for stage in "$@"; do
   case "$stage" in
     tests)
       # pytest-xdist (in the machine's image): the tiers are compile-bound.
-      timeout 400 python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \
+      timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \
         tests/test_state_pool.py tests/test_bucketed.py tests/test_triton_grad.py \
         tests/test_example_train.py -q -ra -p no:cacheprovider -n 6 > "$OUT/pytest_gpu.log" 2>&1
       tail -25 "$OUT/pytest_gpu.log" ;;

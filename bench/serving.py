@@ -13,7 +13,8 @@ chunk_kda with device cu_seqlens and with cu_seqlens_cpu. Decode-only steps:
 a pool; static, dense) against fla's fused_recurrent_kda.
 
 Times are wall-clock per step as the host sees it (host metadata build and
-transfer included), the median of --repeats loops of --iters calls.
+transfer included), the median of --repeats loops of --iters calls; "host ms"
+is the time the loop took to issue its calls (near ms/step: host-bound).
 kda_jax's steps run under transfer_guard_device_to_host("disallow"): a
 device-to-host read raises, so "0" in the d2h column is checked, not assumed.
 fla's column counts its synchronizing calls per step (torch's sync debug mode).
@@ -40,18 +41,21 @@ DECODE_SIZES = (256, 1024)
 
 
 def wall_ms(call, sync, iters, repeats):
-    """Median ms per ``call(i)`` over ``repeats`` loops of ``iters`` calls."""
+    """(ms, host ms) per ``call(i)``: the median over ``repeats`` loops of
+    ``iters`` calls, to the end of the sync, and of the time the loop took to
+    issue its calls (near the first: the step is bound by the host)."""
     for i in range(2):
         call(i)
     sync()
-    samples = []
+    samples, issued = [], []
     for r in range(repeats):
         start = time.perf_counter()
         for i in range(iters):
             call(r * iters + i)
+        issued.append((time.perf_counter() - start) * 1e3 / iters)
         sync()
         samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(samples)
+    return statistics.median(samples), statistics.median(issued)
 
 
 def _pow2(n):
@@ -82,8 +86,9 @@ def kda_rows(a, sets):
     def run(name, call, sync, step, **extra):
         try:
             with jax.transfer_guard_device_to_host("disallow"):
-                ms = wall_ms(call, sync, a.iters, a.repeats)
-            rows.append(dict(step=step, implementation=name, ms=ms, d2h_per_step=0, **extra))
+                ms, host_ms = wall_ms(call, sync, a.iters, a.repeats)
+            rows.append(dict(step=step, implementation=name, ms=ms, host_ms=host_ms,
+                             d2h_per_step=0, **extra))
         except Exception as e:  # noqa: BLE001 - a failed row is recorded, not fatal
             rows.append(dict(step=step, implementation=name, ms=None,
                              error=f"{type(e).__name__}: {str(e)[:300]}", **extra))
@@ -221,7 +226,8 @@ def fla_child(spec):
                              error="this fla's chunk_kda has no cu_seqlens_cpu"))
             continue
         call = mixed(with_cpu)
-        rows.append(dict(step=step, implementation=name, ms=wall_ms(call, sync, iters, repeats),
+        ms, host_ms = wall_ms(call, sync, iters, repeats)
+        rows.append(dict(step=step, implementation=name, ms=ms, host_ms=host_ms,
                          syncs_per_step=syncs(call)))
     for n in DECODE_SIZES:
         dq, dk, dv = (cuda(x, torch.bfloat16).reshape(n, 1, h, d) for x in make(1, n, h, d, d, 1)[:3])
@@ -229,8 +235,9 @@ def fla_child(spec):
         dh0 = torch.zeros((n, h, d, d), device="cuda")
         call = lambda i: fused_recurrent_kda(dq, dk, dv, dg, db, initial_state=dh0,
                                              output_final_state=True)
+        ms, host_ms = wall_ms(call, sync, iters, repeats)
         rows.append(dict(step=f"decode N={n}", implementation=f"fla fused_recurrent dense B={n}",
-                         ms=wall_ms(call, sync, iters, repeats), syncs_per_step=syncs(call)))
+                         ms=ms, host_ms=host_ms, syncs_per_step=syncs(call)))
     print(json.dumps({"rows": rows, "torch": torch.__version__,
                       "fla": getattr(__import__("fla"), "__version__", "?")}))
 
@@ -273,13 +280,16 @@ def main(argv=None):
                 sets=a.sets, iters=a.iters, repeats=a.repeats,
                 command="python -m bench.serving " + " ".join(
                     argv if argv is not None else sys.argv[1:]))
-    print(f"{'step':<22} {'implementation':<44} {'ms/step':>9} {'compile s':>10} {'d2h/step':>9}")
+    print(f"{'step':<22} {'implementation':<44} {'ms/step':>9} {'host ms':>8} {'compile s':>10} "
+          f"{'d2h/step':>9}")
     for r in rows:
         ms = f"{r['ms']:.3f}" if r.get("ms") is not None else "-"
         comp = f"{r['compile_s']:.2f}" if r.get("compile_s") is not None else ""
         d2h = r.get("d2h_per_step", r.get("syncs_per_step", ""))
         note = f"  ({r['error']})" if r.get("error") else ""
-        print(f"{r['step']:<22} {r['implementation']:<44} {ms:>9} {comp:>10} {d2h!s:>9}{note}")
+        host = f"{r['host_ms']:.3f}" if r.get("host_ms") is not None else "-"
+        print(f"{r['step']:<22} {r['implementation']:<44} {ms:>9} {host:>8} {comp:>10} "
+              f"{d2h!s:>9}{note}")
     print("d2h/step: kda_jax device-to-host reads (checked: the steps run with them disallowed); "
           "fla: synchronizing calls torch reports per step")
     if a.json:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["StatePool", "read_index", "read_states", "write_states", "gather_run_scatter",
            "KernelStates", "kernel_states"]
@@ -95,8 +96,9 @@ def kernel_states(pool: StatePool | None, initial_state, state_shape: tuple,
     """With a pool: the pool itself, its read and write indices, aliased to the
     output. Without: the initial state (or a stand-in) and a fresh
     ``state_shape`` output (a stand-in without ``output_final_state``)."""
-    stand_in = jnp.zeros((4,), jnp.float32)
-    no_index = jnp.zeros((4,), jnp.int32)
+    # NumPy zeros are constants of the program (jnp.zeros would launch a kernel).
+    stand_in = jnp.asarray(np.zeros((4,), np.float32))
+    no_index = jnp.asarray(np.zeros((4,), np.int32))
     if pool is not None:
         return KernelStates(pool.cache, read_index(pool), pool.indices, pool.cache.shape[0],
                             tuple(pool.cache.shape), True)

@@ -32,7 +32,7 @@ from kda_jax.configs import DOT_MODES, BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward import (KernelLaunch, chunk_kda_triton, forward_launches,
                                     work_dtype)
-from kda_jax.triton.launch import interpret_mode, kernels, launch
+from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
 
@@ -139,7 +139,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     meta_dev = jnp.asarray(meta.buffer)
     off_cu, off_co, off_ct = (meta.offset(x) for x in ("cu_seqlens", "chunk_offsets",
                                                        "chunk_table"))
-    dummy = jnp.zeros((4,), f32)
+    dummy = stand_in()
     L = backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
                           has_initial_state=initial_state is not None,
                           has_final_grad=dht is not None, work=work)

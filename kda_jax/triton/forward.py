@@ -20,7 +20,7 @@ from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import DOT_MODES, ForwardConfig
 from kda_jax.options import KdaOptions
-from kda_jax.triton.launch import interpret_mode, kernels, launch
+from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
 
 __all__ = ["KernelLaunch", "chunk_kda_triton", "forward_launches", "work_dtype"]
 
@@ -126,7 +126,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     bt = opts.chunk_size
     tokens = b * t
     f32 = jnp.float32
-    dummy = jnp.zeros((4,), f32)
+    dummy = stand_in()
     meta = kernel_metadata(bounds, bt)
     n = meta.num_seqs
     indexed = pool is not None

@@ -19,7 +19,15 @@ import numpy as np
 from kda_jax import configs
 from kda_jax.triton import compat
 
-__all__ = ["interpret_mode", "available", "unavailable_reason", "kernels", "launch"]
+__all__ = ["interpret_mode", "available", "unavailable_reason", "kernels", "launch", "stand_in"]
+
+
+def stand_in(dtype=np.float32) -> jax.Array:
+    """Four zeros for a pointer argument the kernel leaves unread (an absent
+    A_log, initial state, index...). Made from NumPy, it is a constant of the
+    compiled program; ``jnp.zeros`` would be a kernel launch per call (two such
+    launches showed around the decode kernel on the H200)."""
+    return jnp.asarray(np.zeros((4,), dtype))
 
 
 def interpret_mode() -> bool:
