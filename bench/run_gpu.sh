@@ -19,7 +19,8 @@
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
 # SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows.
-# GRID=NAME picks bench.tune_backward's grid. FORWARD_TIMEOUT, VARLEN_TIMEOUT,
+# GRID=NAME picks bench.tune_backward's grid; DECODE_CONFIGS ("16x1,32x2") and
+# DECODE_BATCHES ("256") limit bench.tune_decode's. FORWARD_TIMEOUT, VARLEN_TIMEOUT,
 # BACKWARD_TIMEOUT, SERVING_TIMEOUT and TESTS_TIMEOUT (seconds) replace those
 # stages' limits. IMPLS (default "triton,fla") picks the implementations of `forward` and `backward`, e.g.
 # "triton,fla,xla" for the XLA column in the same run, last (its compiles take minutes).
@@ -103,7 +104,8 @@ for stage in "$@"; do
       ncu --import "$OUT/prepare.ncu-rep" --page details --csv > "$OUT/prepare_details.csv" 2>> "$OUT/ncu_source.log"
       tail -3 "$OUT/ncu_source.log"; wc -l "$OUT"/prepare_*.csv ;;
     decode)
-      timeout 240 python3 -m bench.tune_decode --json "$OUT/tune_decode.json" 2>&1 \
+      timeout 240 python3 -m bench.tune_decode ${DECODE_CONFIGS:+--configs "$DECODE_CONFIGS"} \
+        ${DECODE_BATCHES:+--batches "$DECODE_BATCHES"} --json "$OUT/tune_decode.json" 2>&1 \
         | grep -v Warning | tail -14 ;;
     tuneb)
       timeout 300 python3 -m bench.tune_backward ${GRID:+--grid "$GRID"} --json "$OUT/tune_backward.json" 2>&1 \

@@ -5,7 +5,8 @@
 Mixed step: 12 one-token decodes plus prefills of 1100, 1300 and 900 tokens
 (kda_jax.testing.SERVING_LENGTHS), H = 32, K = V = 128, bf16 q/k/v; call i
 takes bound set i % --sets (the lengths permuted, prefills moved by up to 64
-tokens: one bucket). Rows: kda_jax's bucketed form with a state pool and with
+tokens: one bucket). Rows: kda_jax's bucketed form with a state pool (the batch moved by
+jax.device_put, or passed as NumPy: jit's dispatch then copies it) and with
 initial/final states, its static form (one compile per new bounds, reported
 separately; steady state over --static-sets precompiled sets), and fla's
 chunk_kda with device cu_seqlens and with cu_seqlens_cpu. Decode-only steps:
@@ -99,8 +100,8 @@ def kda_rows(a, sets):
         host_bounds.chunk_table.cache_clear(), host_bounds.chunk_offsets.cache_clear()
         kda_jax.VarlenBatch.from_lengths(lens, bucket)
     build_us = (time.perf_counter() - start) * 1e6 / len(sets)
-    batch_of = lambda i: jax.device_put(kda_jax.VarlenBatch.from_lengths(sets[i % len(sets)],
-                                                                         bucket))
+    host_batch = lambda i: kda_jax.VarlenBatch.from_lengths(sets[i % len(sets)], bucket)
+    batch_of = lambda i: jax.device_put(host_batch(i))
     step = f"mixed N={len(sets[0])} T~{sum(sets[0])}"
 
     # Bucketed, with the pool (donated) and with initial/final states.
@@ -121,6 +122,11 @@ def kda_rows(a, sets):
     t0 = time.perf_counter()
     jax.block_until_ready(plain(batch_of(0), h0, *x))
     compile_s = time.perf_counter() - t0
+    def call_pooled_host(i):  # the NumPy batch itself: jit's dispatch makes the one copy
+        state["o"], state["pool"] = pooled(state["pool"], host_batch(i), idx, *x)
+
+    run(f"kda_jax {impl} bucketed + pool, host batch", call_pooled_host,
+        lambda: jax.block_until_ready(state["pool"]), step, bucket=str(bucket))
     run(f"kda_jax {impl} bucketed + pool", call_pooled,
         lambda: jax.block_until_ready(state["pool"]), step, host_build_us=build_us,
         bucket=str(bucket))
@@ -161,11 +167,14 @@ def kda_rows(a, sets):
         didx, dh0 = jnp.arange(n, dtype=jnp.int32), jnp.zeros((n, h, d, d), jnp.float32)
         dstate = {"pool": jnp.zeros((n, h, d, d), jnp.float32)}
 
-        def call_decode(i, dx=dx, dstate=dstate, dbucket=dbucket, ones=ones, didx=didx):
-            batch = jax.device_put(kda_jax.VarlenBatch.from_lengths(ones, dbucket))
+        def call_decode(i, dx=dx, dstate=dstate, dbucket=dbucket, ones=ones, didx=didx,
+                        put=jax.device_put):
+            batch = put(kda_jax.VarlenBatch.from_lengths(ones, dbucket))
             dstate["o"], dstate["pool"] = decode(dstate["pool"], batch, didx, *dx)
 
         sync = lambda dstate=dstate: jax.block_until_ready(dstate["pool"])
+        run(f"kda_jax {impl} fused_recurrent bucketed + pool, host batch",
+            functools.partial(call_decode, put=lambda b: b), sync, f"decode N={n}")
         run(f"kda_jax {impl} fused_recurrent bucketed + pool", call_decode, sync,
             f"decode N={n}")
         run(f"kda_jax {impl} fused_recurrent dense B={n}",
@@ -280,7 +289,7 @@ def main(argv=None):
                 sets=a.sets, iters=a.iters, repeats=a.repeats,
                 command="python -m bench.serving " + " ".join(
                     argv if argv is not None else sys.argv[1:]))
-    print(f"{'step':<22} {'implementation':<44} {'ms/step':>9} {'host ms':>8} {'compile s':>10} "
+    print(f"{'step':<22} {'implementation':<56} {'ms/step':>9} {'host ms':>8} {'compile s':>10} "
           f"{'d2h/step':>9}")
     for r in rows:
         ms = f"{r['ms']:.3f}" if r.get("ms") is not None else "-"
@@ -288,7 +297,7 @@ def main(argv=None):
         d2h = r.get("d2h_per_step", r.get("syncs_per_step", ""))
         note = f"  ({r['error']})" if r.get("error") else ""
         host = f"{r['host_ms']:.3f}" if r.get("host_ms") is not None else "-"
-        print(f"{r['step']:<22} {r['implementation']:<44} {ms:>9} {host:>8} {comp:>10} "
+        print(f"{r['step']:<22} {r['implementation']:<56} {ms:>9} {host:>8} {comp:>10} "
               f"{d2h!s:>9}{note}")
     print("d2h/step: kda_jax device-to-host reads (checked: the steps run with them disallowed); "
           "fla: synchronizing calls torch reports per step")

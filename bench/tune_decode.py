@@ -2,7 +2,8 @@
 several launch configs and checks each one against the float32 reference
 (GPU only; CPU timings mean nothing).
 
-    python -m bench.tune_decode [--batches 256,1024] [--heads 32] [--json PATH]
+    python -m bench.tune_decode [--batches 256,1024] [--heads 32] [--configs 16x1,32x2]
+        [--json PATH]
 
 Each row: the config, the median ms of a dense [N, 1] decode step with an
 initial and final state (bf16 q, k, v; K = V = 128) per batch size, and the
@@ -47,15 +48,20 @@ def main(argv=None):
     p.add_argument("--batches", default="256,1024")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--configs", default=None,
+                   help="'BLOCK_VxWARPS,...': these configs instead of the grid")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    grid = GRID if not args.configs else [
+        dict(block_v=int(bv), warps=int(w))
+        for bv, w in (c.split("x") for c in args.configs.split(","))]
     batches = [int(n) for n in args.batches.split(",")]
     inputs = {n: decode_inputs(n, args.heads, args.head_dim) for n in batches}
     base = configs.recurrent_config()
     x0, h00 = inputs[batches[0]]
     ro, rs = reference.naive_recurrent_kda(*x0, initial_state=h00, output_final_state=True)
     records = []
-    for change in [{}] + GRID:
+    for change in [{}] + grid:
         cfg = dataclasses.replace(base, **change)
         rec = {"config": dataclasses.asdict(cfg), "shipped": not change}
         try:
