@@ -11,7 +11,8 @@ initial/final states, its static form (one compile per new bounds, reported
 separately; steady state over --static-sets precompiled sets), and fla's
 chunk_kda with device cu_seqlens and with cu_seqlens_cpu. Decode-only steps:
 256 and 1024 one-token sequences, kda_jax's fused_recurrent_kda (bucketed with
-a pool; static, dense) against fla's fused_recurrent_kda.
+a pool; static, dense; dense with 8 steps chained in one program, reported
+per step) against fla's fused_recurrent_kda.
 
 Times are wall-clock per step as the host sees it (host metadata build and
 transfer included), the median of --repeats loops of --iters calls; "host ms"
@@ -88,7 +89,8 @@ def kda_rows(a, sets):
         try:
             with jax.transfer_guard_device_to_host("disallow"):
                 ms, host_ms = wall_ms(call, sync, a.iters, a.repeats)
-            rows.append(dict(step=step, implementation=name, ms=ms, host_ms=host_ms,
+            per = extra.get("steps_per_call", 1)  # ms and host ms are per step
+            rows.append(dict(step=step, implementation=name, ms=ms / per, host_ms=host_ms / per,
                              d2h_per_step=0, **extra))
         except Exception as e:  # noqa: BLE001 - a failed row is recorded, not fatal
             rows.append(dict(step=step, implementation=name, ms=None,
@@ -156,9 +158,17 @@ def kda_rows(a, sets):
     decode = jax.jit(lambda pool, batch, idx, *x: kda_jax.fused_recurrent_kda(
         *x, cu_seqlens=batch, state_cache=pool, state_indices=idx, implementation=impl),
         donate_argnums=0)
-    dense = jax.jit(lambda h0, *x: kda_jax.fused_recurrent_kda(
-        *(y.reshape((y.shape[1], 1) + y.shape[2:]) for y in x), initial_state=h0,
-        output_final_state=True, implementation=impl))
+    def dense_steps(h0, *x, steps=1):
+        # ``steps`` decode steps in one program, each from the last one's states
+        # (as a model's layers share one program): per-program costs counted once.
+        x = [y.reshape((y.shape[1], 1) + y.shape[2:]) for y in x]
+        for _ in range(steps):
+            o, h0 = kda_jax.fused_recurrent_kda(*x, initial_state=h0, output_final_state=True,
+                                                implementation=impl)
+        return o, h0
+
+    dense = jax.jit(dense_steps)
+    dense8 = jax.jit(functools.partial(dense_steps, steps=8))
     for n in DECODE_SIZES:
         arrays = make(1, n, h, d, d, seed=1)
         dx = tuple(jnp.asarray(y, jnp.bfloat16 if i < 3 else jnp.float32)
@@ -180,6 +190,9 @@ def kda_rows(a, sets):
         run(f"kda_jax {impl} fused_recurrent dense B={n}",
             lambda i, dx=dx, dh0=dh0, dstate=dstate: dstate.update(pool=dense(dh0, *dx)[1]),
             sync, f"decode N={n}")
+        run(f"kda_jax {impl} fused_recurrent dense B={n}, 8 in one jit",
+            lambda i, dx=dx, dh0=dh0, dstate=dstate: dstate.update(pool=dense8(dh0, *dx)[1]),
+            sync, f"decode N={n}", steps_per_call=8)
     return rows
 
 
