@@ -13,6 +13,8 @@
 #   bprofile  the same for forward + backward
 #   tune      bench.tune_forward's grid
 #   dprofile  Nsight Compute per kernel of a dense decode step (N = 256), kda_jax and fla
+#   dtrace    profiler timelines of 20 dense decode steps (N = 256), kda_jax and
+#             fla: GPU busy and idle time per step (bench.trace_decode)
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
@@ -96,6 +98,12 @@ for stage in "$@"; do
         timeout 150 ncu --clock-control none --print-summary per-kernel python3 -m $peer 2>&1 \
           | grep -E "^  [a-zA-Z_]|Duration|DRAM Throughput|Registers|Achieved Occupancy"
       done | tee "$OUT/ncu_decode.log" ;;
+    dtrace)
+      for peer in kda_jax fla; do
+        timeout 120 python3 -m bench.trace_decode --peer $peer --json "$OUT/trace_decode_$peer.json" \
+          > "$OUT/trace_decode_$peer.log" 2>&1
+        head -12 "$OUT/trace_decode_$peer.log"
+      done ;;
     source)
       timeout 240 ncu --kernel-name kda_fwd_prepare_kernel --launch-count 1 --set full \
         --import-source yes -o "$OUT/prepare" python3 -m bench.profile_once > "$OUT/ncu_source.log" 2>&1
