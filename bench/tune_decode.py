@@ -2,7 +2,7 @@
 several launch configs and checks each one against the float32 reference
 (GPU only; CPU timings mean nothing).
 
-    python -m bench.tune_decode [--batches 256,1024] [--heads 32] [--configs 16x1,32x2]
+    python -m bench.tune_decode [--batches 256,1024] [--heads 32] [--configs 16x1,64x4x32]
         [--json PATH]
 
 Each row: the config, the median ms of a dense [N, 1] decode step with an
@@ -30,8 +30,21 @@ from bench.timing import time_jax, versions
 from kda_jax import configs, reference, testing
 
 # Around the shipped sm90 config: the V block (more, smaller programs for the
-# memory-bound state read and write) and the warps per program.
-GRID = [dict(block_v=bv, warps=w) for bv in (8, 16, 32, 64) for w in (1, 2, 4)]
+# memory-bound state read and write) and the warps per program; then the
+# two-pass form of a one-token step (stream_block_k: the state streamed through
+# [stream_block_k, block_v] tiles, 32-40 registers on sm90 instead of 166).
+GRID = ([dict(block_v=bv, warps=w) for bv in (16, 32, 64) for w in (1, 2, 4)]
+        + [dict(block_v=bv, warps=w, stream_block_k=bks)
+           for bv, w, bks in ((32, 4, 32), (64, 4, 32), (64, 4, 16), (128, 4, 16), (32, 2, 32),
+                              (64, 8, 32), (128, 8, 32))])
+
+
+def _config_of(text: str) -> dict:
+    """'64x4' -> block_v 64, 4 warps; '64x4x32' adds stream_block_k 32."""
+    parts = [int(x) for x in text.split("x")]
+    if len(parts) not in (2, 3):
+        raise ValueError(f"config {text!r} must be BLOCK_VxWARPS or BLOCK_VxWARPSxSTREAM_BLOCK_K")
+    return dict(zip(("block_v", "warps", "stream_block_k"), parts))
 
 
 def decode_inputs(n: int, h: int, d: int):
@@ -49,12 +62,11 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--configs", default=None,
-                   help="'BLOCK_VxWARPS,...': these configs instead of the grid")
+                   help="'BLOCK_VxWARPS[xSTREAM_BLOCK_K],...': these configs instead of "
+                   "the grid")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    grid = GRID if not args.configs else [
-        dict(block_v=int(bv), warps=int(w))
-        for bv, w in (c.split("x") for c in args.configs.split(","))]
+    grid = GRID if not args.configs else [_config_of(c) for c in args.configs.split(",")]
     batches = [int(n) for n in args.batches.split(",")]
     inputs = {n: decode_inputs(n, args.heads, args.head_dim) for n in batches}
     base = configs.recurrent_config()

@@ -239,15 +239,20 @@ class RecurrentConfig:
     warps / stages: num_warps / num_stages.
     block_v_wide: the V block past K = 128, where the tile is twice as tall
       (None: block_v).
+    stream_block_k: a dense decode step (host bounds, one token per sequence)
+      streams the state through [stream_block_k, block_v] tiles in two passes
+      instead of holding it whole (fewer registers, more programs in flight);
+      None: the whole state in registers, as every other call.
     """
 
     block_v: int = 32
     warps: int = 4
     stages: int = 2
     block_v_wide: int | None = None
+    stream_block_k: int | None = None
 
     def __post_init__(self):
-        for name in ("block_v", "block_v_wide"):
+        for name in ("block_v", "block_v_wide", "stream_block_k"):
             value = getattr(self, name)
             if value is not None and (value < 8 or value & (value - 1)):
                 raise ValueError(f"{name}={value} must be a power of two >= 8")

@@ -40,9 +40,11 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     """The kernel's constexprs for these shapes, options and config (the one
     place they are derived). ``uniform_len``: every sequence has this many
     tokens (host bounds; the kernel then loads no bound), None: varlen."""
+    bk = _pow2(max(kd, 16))
+    stream = config.stream_block_k is not None and uniform_len == 1
     return dict(
         H=h, HV=hv, K=kd, V=vd,
-        BK=_pow2(max(kd, 16)),
+        BK=bk,
         BV=min(_pow2(max(vd, 8)), config.block_v if kd <= 128 or config.block_v_wide is None
                else config.block_v_wide),
         SCALE=float(opts.scale),
@@ -58,6 +60,10 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         INDEXED_STATE=indexed_state,
         UNIFORM=uniform_len is not None,
         SEQ_LEN=uniform_len or 0,
+        # The two-pass form needs one token per sequence (its state is never
+        # carried from token to token).
+        STREAM=stream,
+        BKS=min(config.stream_block_k, bk) if stream else bk,
     )
 
 
