@@ -16,6 +16,7 @@ This module also gives the backends one view of either form
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -84,8 +85,16 @@ class VarlenBatch:
     @classmethod
     def from_lengths(cls, lengths, bucket: Bucket | None = None, *,
                      chunk_size: int = 64) -> "VarlenBatch":
-        """:meth:`build` from per-sequence lengths ``[N]`` (zeros allowed)."""
-        return cls.build(SeqBounds.from_lengths(lengths), bucket, chunk_size=chunk_size)
+        """:meth:`build` from per-sequence lengths ``[N]`` (zeros allowed).
+
+        Integer lengths seen recently (a decode step's N ones, step after
+        step) reuse their built buffer, which is read-only."""
+        arr = np.asarray(lengths)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            # Not a list of integers: SeqBounds.from_lengths names the problem.
+            return cls.build(SeqBounds.from_lengths(lengths), bucket, chunk_size=chunk_size)
+        buffer, bucket = _buffer_of_lengths(tuple(arr.tolist()), bucket, chunk_size)
+        return cls(buffer, bucket)
 
     def table(self, name: str) -> jax.Array:
         """The block ``name`` of the metadata (a static slice of the buffer)."""
@@ -111,6 +120,16 @@ class VarlenBatch:
 
     def __repr__(self):
         return f"VarlenBatch({self.bucket}, metadata={type(self.metadata).__name__})"
+
+
+@functools.lru_cache(maxsize=128)
+def _buffer_of_lengths(lengths: tuple, bucket: Bucket | None, chunk_size: int):
+    """(read-only metadata buffer, bucket) of VarlenBatch.from_lengths: the host
+    build costs tens of microseconds per step, the lookup a few."""
+    batch = VarlenBatch.build(SeqBounds.from_lengths(np.array(lengths, np.int64)), bucket,
+                              chunk_size=chunk_size)
+    batch.metadata.setflags(write=False)
+    return batch.metadata, batch.bucket
 
 
 def _flatten(batch):

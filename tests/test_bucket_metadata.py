@@ -211,3 +211,18 @@ def test_kernel_metadata_names_a_uniform_length(lens, uniform):
     assert kernel_metadata(bounds, 64).uniform_len == uniform
     batch = VarlenBatch.from_lengths(lens, Bucket(8, 256))  # device bounds: never uniform
     assert kernel_metadata(batch, 64).uniform_len is None
+
+
+def test_from_lengths_reuses_a_read_only_buffer():
+    bucket = Bucket(8, 64)
+    a = VarlenBatch.from_lengths([1] * 5, bucket)
+    b = VarlenBatch.from_lengths(np.ones(5, np.int32), bucket)
+    assert a.metadata is b.metadata and not a.metadata.flags.writeable
+    np.testing.assert_array_equal(a.metadata, VarlenBatch.build([0, 1, 2, 3, 4, 5], bucket).metadata)
+    c = VarlenBatch.from_lengths([1, 2, 1, 1, 1], bucket)
+    assert c.metadata is not a.metadata and (c.metadata[1], a.metadata[1]) == (6, 5)  # tokens
+    # Not integers: named, not rounded into a cached entry.
+    with pytest.raises(ValueError, match=r"1-D integer array"):
+        VarlenBatch.from_lengths([1.5, 2.0], bucket)
+    with pytest.raises(ValueError, match=r"lengths must be >= 0"):
+        VarlenBatch.from_lengths([3, -1], bucket)
