@@ -57,6 +57,18 @@ def _softplus(x):
     return tl.where(x > 20., x, tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
 
 
+@triton.jit
+def _in_kernel_gate(b_g, b_dt, b_a, m, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
+    """The log-decay from raw gate values: lower_bound * sigmoid(a (g + dt_bias))
+    or -a softplus(g + dt_bias) (a = exp(A_log)); 0 where ``m`` is False."""
+    b_x = b_g + b_dt
+    if HAS_LOWER_BOUND:
+        b_g = LOWER_BOUND * _sigmoid(b_a * b_x)
+    else:
+        b_g = -b_a * _softplus(b_x)
+    return tl.where(m, b_g, 0.)
+
+
 # Rows zeroed per step by the tail program.
 TAIL_ROWS = tl.constexpr(32)
 
@@ -158,12 +170,7 @@ def _recurrent_sequence(
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
         if USE_GATE:
-            b_x = b_g + b_dt
-            if HAS_LOWER_BOUND:
-                b_g = LOWER_BOUND * _sigmoid(b_a * b_x)
-            else:
-                b_g = -b_a * _softplus(b_x)
-            b_g = tl.where(m_k, b_g, 0.)
+            b_g = _in_kernel_gate(b_g, b_dt, b_a, m_k, HAS_LOWER_BOUND, LOWER_BOUND)
         if BETA_SIGMOID:
             b_beta = _sigmoid(b_beta)
         b_beta = b_beta * BETA_SCALE
@@ -293,11 +300,6 @@ def _decayed_tile(p_src, has_src, k, g, dt_bias, p_qk, p_gk, i_hv, i_k, o_v, m_v
         b_dt = tl.zeros([BKS], dtype=tl.float32)
         if HAS_DT_BIAS:
             b_dt = tl.load(dt_bias + i_hv * K + o_kb, mask=m_kb, other=0.).to(tl.float32)
-        b_x = b_gk + b_dt
-        if HAS_LOWER_BOUND:
-            b_gk = LOWER_BOUND * _sigmoid(b_a * b_x)
-        else:
-            b_gk = -b_a * _softplus(b_x)
-        b_gk = tl.where(m_kb, b_gk, 0.)
+        b_gk = _in_kernel_gate(b_gk, b_dt, b_a, m_kb, HAS_LOWER_BOUND, LOWER_BOUND)
     b_kb = tl.load(k + p_qk + o_kb, mask=m_kb, other=0.).to(tl.float32) * r_k
     return b_h * tl.exp(b_gk)[:, None], b_kb, o_kb, m_kb, o_s, m_kv
