@@ -95,6 +95,7 @@ class Spec:
 #        shape     K    V    dtype
 SHAPES = (("main", 128, 128, "bf16"),     # the main case
           ("fp32", 64, 64, "fp32"),
+          ("fp32w", 128, 128, "fp32"),    # float32 at the main head dims
           ("large", 256, 256, "bf16"),    # largest head dims
           ("masked", 100, 60, "bf16"))    # non-power-of-two, masked
 CHUNKS = (64, 32)

@@ -65,6 +65,8 @@ class ForwardConfig:
     state_block_v_wide / state_warps_wide / state_stages_wide: the state
       kernel's V block, warps and stages for wide tiles, K > 128 or float32
       intermediates (None: the values above).
+    state_warps_fp32: the state kernel's warps with float32 intermediates
+      (None: as wide tiles); 16-bit ones past K = 128 keep state_warps_wide.
     """
 
     prepare_block_k: int = 64
@@ -81,6 +83,7 @@ class ForwardConfig:
     state_block_v_wide: int | None = None
     state_warps_wide: int | None = None
     state_stages_wide: int | None = None
+    state_warps_fp32: int | None = None
 
     def __post_init__(self):
         for name in ("prepare_dot", "prepare_wu_dot", "inverse_dot", "fp32_dot"):
@@ -88,14 +91,15 @@ class ForwardConfig:
             if value not in DOT_MODES:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
         _check_inverse_dot("inverse_dot", self.inverse_dot)
-        optional = ("fp32_block_k", "state_block_v_wide", "state_warps_wide", "state_stages_wide")
+        optional = ("fp32_block_k", "state_block_v_wide", "state_warps_wide", "state_stages_wide",
+                    "state_warps_fp32")
         for name in ("prepare_block_k", "state_block_v", "fp32_block_k", "state_block_v_wide"):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
-        for name in ("prepare_warps", "state_warps", "state_warps_wide"):
+        for name in ("prepare_warps", "state_warps", "state_warps_wide", "state_warps_fp32"):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
@@ -134,8 +138,11 @@ FORWARD = {
                           fp32_dot="tf32x3",
                           fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8,
                           state_stages_wide=2),
+    # gfx950: float32 at K = 128 takes 232 KiB of LDS at two stages (160 KiB
+    # per workgroup), 16 KiB and 245 VGPRs at one (kda_jax.aot).
     "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
-                            state_block_v=32, state_warps=2, state_stages=2),
+                            state_block_v=32, state_warps=2, state_stages=2,
+                            state_stages_wide=1),
     "gfx942": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                             state_block_v=32, state_warps=2, state_stages=2,
                             state_stages_wide=1),  # 64 KiB of LDS
@@ -146,10 +153,11 @@ FORWARD = {
 # Chunk 32 where it differs: on sm90 ptxas caps the prepare kernel at 128
 # registers with 16-wide K slices and at 168 with 32-wide ones, and the masked
 # K = 100 case spills under both caps (AOT report); 64-wide slices compile
-# without spills at every spec (204-234 registers).
+# without spills at every spec (204-234 registers). The float32 state kernel
+# at K = 128 spills 96-112 bytes at 8 warps and none at 4 (253-255 registers).
 FORWARD_C32 = {
     "sm90": dataclasses.replace(FORWARD["sm90"], prepare_block_k=64, prepare_warps=4,
-                                fp32_block_k=32),
+                                fp32_block_k=32, state_warps_fp32=4),
 }
 
 def current_arch() -> str:
@@ -360,6 +368,13 @@ class BackwardConfig:
       (see ForwardConfig.prepare_dot).
     fp32_dot: precision of the state passes' and the inter kernel's products
       when the intermediates are float32 (16-bit ones multiply exactly).
+    prepare_fp32_block_k / state_stages_fp32 / inter_block_v_fp32: the
+      recompute's K slice (as ForwardConfig.fp32_block_k), both state passes'
+      stages and the inter kernel's V block with float32 intermediates (None:
+      prepare_block_k, state_stages, inter_block_v).
+    dstate_split_k: the reverse state pass holds dS as two K halves where the
+      state passes hold the state so (float32 intermediates, K > 64:
+      kda_jax.triton.forward.split_state_k); False keeps one [K, BV] tile.
     """
 
     prepare_block_k: int = 64
@@ -384,6 +399,10 @@ class BackwardConfig:
     intra_loop_k: bool = False
     product_dot: str = "ieee"
     fp32_dot: str = "ieee"
+    prepare_fp32_block_k: int | None = None
+    state_stages_fp32: int | None = None
+    inter_block_v_fp32: int | None = None
+    dstate_split_k: bool = True
 
     def __post_init__(self):
         for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "inverse_dot", "wy_dot",
@@ -393,15 +412,23 @@ class BackwardConfig:
                                  f"{', '.join(DOT_MODES)}")
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_fp32_dot", self.wy_fp32_dot)
+        optional = ("prepare_fp32_block_k", "inter_block_v_fp32")
         for name in ("prepare_block_k", "state_block_v", "inter_block_k", "inter_block_v",
-                     "wy_block_k", "wy_block_v", "intra_block_k"):
+                     "wy_block_k", "wy_block_v", "intra_block_k") + optional:
             value = getattr(self, name)
+            if value is None and name in optional:
+                continue
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
         for name in ("prepare_warps", "state_warps", "inter_warps", "wy_warps", "intra_warps"):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
+        if self.state_stages_fp32 is not None and self.state_stages_fp32 not in (1, 2, 3, 4):
+            raise ValueError(f"state_stages_fp32={self.state_stages_fp32} must be one of "
+                             "1, 2, 3, 4")
+        if not isinstance(self.dstate_split_k, bool):
+            raise ValueError(f"dstate_split_k={self.dstate_split_k!r} must be True or False")
 
 
 # Untuned starting points (correctness first; the GPU tuning is still to do).
@@ -426,15 +453,19 @@ BACKWARD = {
     # 5.014 at 16 wide, 4.783 with a tf32 merge of the inverse too (gradient
     # errors unchanged to 3 digits; bench.tune_backward --grid recompute).
     # No kernel spills on any target (kda_jax.aot).
+    # Float32 at K = 128: the inter kernel's [32, 64] blocks spill 108 bytes,
+    # [32, 32] take 210 registers.
     "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=4, prepare_dot="tf32",
                            prepare_wu_dot="tf32x3", inverse_dot="tf32", state_block_v=16,
                            inter_block_k=32,
                            wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="tf32",
                            wy_fp32_dot="ieee",
                            intra_block_k=32, intra_warps=8, product_dot="tf32",
-                           fp32_dot="tf32x3"),
+                           fp32_dot="tf32x3", inter_block_v_fp32=32),
+    # gfx950: the float32 reverse state pass at K = 128 takes 248 KiB of LDS at
+    # two stages (160 KiB per workgroup).
     "gfx950": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=2,
-                             inter_warps=2, wy_warps=4),
+                             inter_warps=2, wy_warps=4, state_stages_fp32=1),
     # gfx942: 64 KiB of LDS; the reverse state pass fits at one stage, 4 waves.
     # Its intra kernel spills a VGPR at 32-wide K blocks (156 VGPRs at 16).
     "gfx942": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=4,
@@ -447,9 +478,13 @@ BACKWARD = {
 # ptxas caps it at 128 registers and spills; 16-wide V blocks take 72); the
 # recompute at 64-wide K slices, as the forward's chunk-32 prepare (at 16 and
 # 32 wide ptxas caps it at 128 / 168 registers and it spills at K = 100).
+# Float32 at K = 128: the recompute's 64-wide slices spill 76 bytes (32-wide
+# as the forward's), and the reverse state pass spills 32 bytes with dS in two
+# K halves, none whole (255 registers).
 BACKWARD_C32 = {
     "sm90": dataclasses.replace(BACKWARD["sm90"], prepare_block_k=64, prepare_warps=4,
-                                inter_block_k=16, inter_block_v=16),
+                                inter_block_k=16, inter_block_v=16, inter_block_v_fp32=None,
+                                prepare_fp32_block_k=32, dstate_split_k=False),
 }
 
 _BACKWARD = _Table(BackwardConfig, BACKWARD, BACKWARD_C32)

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import ANCHOR_SPAN, _anchor_rows, _dot, _g_rows, _g_tile, _row_of, _tile
-from .state_io import load_state, state_offsets, store_state
+from .state_io import load_state, next_k_block, state_offsets, store_state
 
 
 @triton.jit
@@ -91,10 +91,11 @@ def kda_bwd_state_kernel(
     h, vn,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """The forward state pass again, storing the state at each chunk's start
-    (h, fp32) and v_new; one program per (sequence, value head, V block)."""
+    (h, fp32) and v_new; one program per (sequence, value head, V block).
+    SPLIT_K: the state is two [BK, BV] tiles, as the forward's."""
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(meta + off_cu + i_n)
     eos = tl.load(meta + off_cu + i_n + 1)
@@ -106,6 +107,11 @@ def kda_bwd_state_kernel(
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     b_h = load_state(h0, h0, 0, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV, USE_INITIAL_STATE,
                      False)
+    if SPLIT_K:
+        o_k1, m_k1, shift, m_kv1 = next_k_block(o_k, m_k, m_kv, m_v, K, V, BK,
+                                                  STATE_V_FIRST)
+        b_h1 = load_state(h0 + shift, h0, 0, i_n, i_hv, o_s, m_kv1, HV, K, V, BK, BV,
+                          USE_INITIAL_STATE, False)
 
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
@@ -118,14 +124,24 @@ def kda_bwd_state_kernel(
         i_c = (c0 + i_t).to(tl.int64)
         p_h = ((i_c * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(h + p_h, b_h, mask=m_kv)
+        if SPLIT_K:
+            m_tk1 = m_t[:, None] & m_k1[None, :]
+            tl.store(h + BK * V + p_h, b_h1, mask=m_kv1)
         b_w = tl.load(w + p_k, mask=m_tk, other=0.)
         b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
         b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
         b_vn = b_u - _dot(b_w, b_h.to(b_w.dtype), DOT)
+        if SPLIT_K:
+            b_w = tl.load(w + BK + p_k, mask=m_tk1, other=0.)
+            b_vn -= _dot(b_w, b_h1.to(b_w.dtype), DOT)
         b_vnd = b_vn.to(b_w.dtype)
         tl.store(vn + p_v, b_vnd.to(vn.dtype.element_ty), mask=m_tv)
         b_h = b_h * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
+        if SPLIT_K:
+            b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
+            b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k1, mask=m_k1, other=0.)
+            b_h1 = b_h1 * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
 
 
 @triton.jit
@@ -135,10 +151,12 @@ def kda_bwd_dstate_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
     STORE_INITIAL_GRAD: tl.constexpr, STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """The state's cotangent, carried from the final state back over the
     chunks in reverse: stores dS (the cotangent of each chunk's end state,
-    fp32), dv_new, and the initial state's gradient."""
+    fp32), dv_new, and the initial state's gradient. SPLIT_K: dS is two
+    [BK, BV] tiles, as the forward's state."""
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(meta + off_cu + i_n)
     eos = tl.load(meta + off_cu + i_n + 1)
@@ -151,6 +169,11 @@ def kda_bwd_dstate_kernel(
     # The final state's cotangent, laid out as the states are.
     b_dh = load_state(dht, dht, 0, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV, USE_FINAL_GRAD,
                       False)
+    if SPLIT_K:
+        o_k1, m_k1, shift, m_kv1 = next_k_block(o_k, m_k, m_kv, m_v, K, V, BK,
+                                                  STATE_V_FIRST)
+        b_dh1 = load_state(dht + shift, dht, 0, i_n, i_hv, o_s, m_kv1, HV, K, V, BK, BV,
+                           USE_FINAL_GRAD, False)
 
     for s in range(0, n_chunks):
         i_t = n_chunks - 1 - s
@@ -164,23 +187,57 @@ def kda_bwd_dstate_kernel(
         i_c = (c0 + i_t).to(tl.int64)
         p_h = ((i_c * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(dh + p_h, b_dh, mask=m_kv)
-        # Each [BT, K] tile is loaded just before its product, so that one
-        # at a time is live (K = 256 and float32 tiles are tight in registers).
-        b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
-                      mask=m_t[:, None], other=0.)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_a.dtype)
-        b_dvn = _dot(tl.trans(b_a), b_do, DOT)
-        b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
-        b_dvn += _dot(b_kt, b_dh.to(b_kt.dtype), DOT)
-        b_dvnd = b_dvn.to(b_kt.dtype)
-        tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
-        b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
-        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
-        b_dh = b_dh * b_gl[:, None] + _dot(tl.trans(b_qg), b_do, DOT)
-        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
-        b_dh -= _dot(tl.trans(b_w), b_dvnd, DOT)
+        if SPLIT_K:
+            # The products with dS first, one K half at a time; the tiles used
+            # transposed are loaded [BK, BT] (K contiguous) instead: transposing
+            # loaded [BT, BK] float32 tiles spilled 200-500 bytes on sm90
+            # (kda_jax.aot).
+            p_kt = (r64 * HV + i_hv)[None, :] * K + o_k[:, None]
+            m_kt = m_k[:, None] & m_t[None, :]
+            m_kt1 = m_k1[:, None] & m_t[None, :]
+            m_tk1 = m_t[:, None] & m_k1[None, :]
+            tl.store(dh + BK * V + p_h, b_dh1, mask=m_kv1)
+            b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
+            b_dvn = _dot(b_kt, b_dh.to(b_kt.dtype), DOT)
+            b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
+            b_dvn += _dot(b_kt, b_dh1.to(b_kt.dtype), DOT)
+            b_at = tl.load(aqk + (r64 * HV + i_hv)[None, :] * BT + o_t[:, None],
+                           mask=m_t[None, :], other=0.)
+            b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_at.dtype)
+            b_dvn += _dot(b_at, b_do, DOT)
+            b_dvnd = b_dvn.to(b_kt.dtype)
+            tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
+            b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+            b_qgt = tl.load(qg + p_kt, mask=m_kt, other=0.)
+            b_dh = b_dh * b_gl[:, None] + _dot(b_qgt, b_do, DOT)
+            b_wt = tl.load(w + p_kt, mask=m_kt, other=0.)
+            b_dh -= _dot(b_wt, b_dvnd, DOT)
+            b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k1, mask=m_k1, other=0.)
+            b_qgt = tl.load(qg + BK + p_kt, mask=m_kt1, other=0.)
+            b_dh1 = b_dh1 * b_gl[:, None] + _dot(b_qgt, b_do, DOT)
+            b_wt = tl.load(w + BK + p_kt, mask=m_kt1, other=0.)
+            b_dh1 -= _dot(b_wt, b_dvnd, DOT)
+        else:
+            # Each [BT, K] tile is loaded just before its product, so that one
+            # at a time is live (K = 256 and float32 tiles are tight in registers).
+            b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
+                          mask=m_t[:, None], other=0.)
+            b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_a.dtype)
+            b_dvn = _dot(tl.trans(b_a), b_do, DOT)
+            b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
+            b_dvn += _dot(b_kt, b_dh.to(b_kt.dtype), DOT)
+            b_dvnd = b_dvn.to(b_kt.dtype)
+            tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
+            b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+            b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
+            b_dh = b_dh * b_gl[:, None] + _dot(tl.trans(b_qg), b_do, DOT)
+            b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+            b_dh -= _dot(tl.trans(b_w), b_dvnd, DOT)
 
     store_state(dh0, b_dh, dh0, 0, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_INITIAL_GRAD, False)
+    if SPLIT_K:
+        store_state(dh0 + shift, b_dh1, dh0, 0, i_n, i_hv, o_s, m_kv1, HV, K, V,
+                    STORE_INITIAL_GRAD, False)
 
 
 @triton.jit

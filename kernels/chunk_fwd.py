@@ -28,7 +28,7 @@ differences, column by column, for a K slice whose gates are steeper.
 import triton
 import triton.language as tl
 
-from .state_io import load_state, state_offsets, store_state
+from .state_io import load_state, next_k_block, state_offsets, store_state
 
 
 @triton.jit
@@ -355,10 +355,12 @@ def kda_fwd_state_output_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    INDEXED_STATE: tl.constexpr, DOT: tl.constexpr,
+    INDEXED_STATE: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """One program per (sequence, value head, V block): the state [BK, BV] stays
-    in registers (float32) while the sequence's chunks go by in order.
+    in registers (float32) while the sequence's chunks go by in order. With
+    SPLIT_K it is two [BK, BV] tiles (K rows 0..BK-1 and BK..2 BK-1), and each
+    [BT, K] tile is loaded and multiplied in two halves.
 
     Programs i_n < n_seqs are sequences. State rows: without INDEXED_STATE
     sequence n reads h0[n] and writes ht[n]. With INDEXED_STATE (a paged state
@@ -379,7 +381,7 @@ def kda_fwd_state_output_kernel(
         _state_output_sequence(
             w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, slots, o, ht,
             i_n, i_hv, bos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
-            STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, DOT)
+            STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, DOT, SPLIT_K)
     else:
         b_zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
         for t0 in range(bos, n_tokens, BT):
@@ -395,7 +397,7 @@ def _state_output_sequence(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    INDEXED_STATE: tl.constexpr, DOT: tl.constexpr,
+    INDEXED_STATE: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """The state pass and output of sequence i_n (kda_fwd_state_output_kernel's body)."""
     eos = tl.load(meta + off_cu + i_n + 1)
@@ -405,6 +407,11 @@ def _state_output_sequence(
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     b_h = load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV,
                      USE_INITIAL_STATE, INDEXED_STATE)
+    if SPLIT_K:
+        o_k1, m_k1, shift, m_kv1 = next_k_block(o_k, m_k, m_kv, m_v, K, V, BK,
+                                                  STATE_V_FIRST)
+        b_h1 = load_state(h0 + shift, read_idx, slots, i_n, i_hv, o_s, m_kv1, HV, K, V, BK,
+                          BV, USE_INITIAL_STATE, INDEXED_STATE)
 
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
@@ -414,14 +421,32 @@ def _state_output_sequence(
         m_tv = m_t[:, None] & m_v[None, :]
         p_k = (r64 * HV + i_hv)[:, None] * K + o_k[None, :]
         p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        # Each tile is loaded just before its product, so that at most one
-        # [BT, K] tile is live at a time (K = 256 is tight in registers).
-        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
-        b_hd = b_h.to(b_w.dtype)
-        b_vnd = (b_u - _dot(b_w, b_hd, DOT)).to(b_w.dtype)
-        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
-        b_o = _dot(b_qg, b_hd, DOT)
+        if SPLIT_K:
+            # Both products with one K half of the state, then both with the
+            # other, and u loaded last: in the order of the whole-tile path
+            # the float32 kernel spilled on sm90 (kda_jax.aot).
+            m_tk1 = m_t[:, None] & m_k1[None, :]
+            b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+            b_hd = b_h.to(b_w.dtype)
+            b_wh = _dot(b_w, b_hd, DOT)
+            b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
+            b_o = _dot(b_qg, b_hd, DOT)
+            b_hd = b_h1.to(b_w.dtype)
+            b_w = tl.load(w + BK + p_k, mask=m_tk1, other=0.)
+            b_wh += _dot(b_w, b_hd, DOT)
+            b_qg = tl.load(qg + BK + p_k, mask=m_tk1, other=0.)
+            b_o += _dot(b_qg, b_hd, DOT)
+            b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_vnd = (b_u - b_wh).to(b_w.dtype)
+        else:
+            # Each tile is loaded just before its product, so that at most one
+            # [BT, K] tile is live at a time (K = 256 is tight in registers).
+            b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+            b_hd = b_h.to(b_w.dtype)
+            b_vnd = (b_u - _dot(b_w, b_hd, DOT)).to(b_w.dtype)
+            b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
+            b_o = _dot(b_qg, b_hd, DOT)
         b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
                       mask=m_t[:, None], other=0.)
         b_o += _dot(b_a.to(b_w.dtype), b_vnd, DOT)
@@ -430,6 +455,14 @@ def _state_output_sequence(
         b_gl = tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k,
                        mask=m_k, other=0.)
         b_h = b_h * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
+        if SPLIT_K:
+            b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
+            b_gl = tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k1,
+                           mask=m_k1, other=0.)
+            b_h1 = b_h1 * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
 
     store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
                 INDEXED_STATE)
+    if SPLIT_K:
+        store_state(ht + shift, b_h1, write_idx, slots, i_n, i_hv, o_s, m_kv1, HV, K, V,
+                    STORE_FINAL_STATE, INDEXED_STATE)

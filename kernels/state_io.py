@@ -26,6 +26,27 @@ def state_offsets(o_v, m_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
 
 
 @triton.jit
+def next_k_block(o_k, m_k, m_kv, m_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 STATE_V_FIRST: tl.constexpr):
+    """(o_k, m_k, shift, m_kv) of the K block BK rows on, for a state held as
+    two K blocks: its offsets are state_offsets' o_s plus the element shift
+    (a constant), so that no second offset tile is live. When K fills both
+    blocks its masks are the first block's (the same values)."""
+    o_k1 = o_k + BK
+    if K >= 2 * BK:
+        m_k1 = m_k
+        m_kv1 = m_kv
+    else:
+        m_k1 = o_k1 < K
+        m_kv1 = m_k1[:, None] & m_v[None, :]
+    if STATE_V_FIRST:
+        shift: tl.constexpr = BK
+    else:
+        shift: tl.constexpr = BK * V
+    return o_k1, m_k1, shift, m_kv1
+
+
+@triton.jit
 def load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_INITIAL_STATE: tl.constexpr, INDEXED_STATE: tl.constexpr):

@@ -53,6 +53,7 @@ def test_unknown_arch_is_named():
     (dict(fp32_dot="tf64"), "fp32_dot='tf64' must be one of"),
     (dict(inverse_dot="tf16"), "inverse_dot='tf16' must be one of"),
     (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3' or 'tf32'"),
+    (dict(state_warps_fp32=3), "state_warps_fp32=3 must be one of"),
 ])
 def test_forward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -63,6 +64,10 @@ def test_forward_config_refuses_bad_values(kwargs, message):
     (dict(wy_dot="tf64"), "wy_dot='tf64' must be one of"),
     (dict(wy_fp32_dot="tf32"), "wy_fp32_dot='tf32' must be 'ieee' or 'tf32x3'"),
     (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3' or 'tf32'"),
+    (dict(prepare_fp32_block_k=24), "prepare_fp32_block_k=24 must be a power of two"),
+    (dict(inter_block_v_fp32=8), "inter_block_v_fp32=8 must be a power of two"),
+    (dict(state_stages_fp32=0), "state_stages_fp32=0 must be one of"),
+    (dict(dstate_split_k=1), "dstate_split_k=1 must be True or False"),
 ])
 def test_backward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -104,3 +109,37 @@ def test_float32_inputs_merge_the_inverse_at_fp32_dot(work, expected):
                                   work=jnp.dtype(work), has_a_log=False, has_dt_bias=False,
                                   has_initial_state=False)
     assert configs.DOT_MODES[prepare.constexprs["DOT_INV"]] == expected
+
+
+@pytest.mark.parametrize("work, split, bv, warps", [("bfloat16", False, 32, 4),
+                                                    ("float32", True, 16, 2)])
+def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, warps):
+    """The *_fp32 fields and the state's two K halves (K > 64) take effect with
+    float32 intermediates; 16-bit ones keep the 16-bit values."""
+    import jax.numpy as jnp
+
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton.backward import backward_launches, recompute_launch
+    from kda_jax.triton.forward import forward_launches
+
+    opts = KdaOptions(scale=0.1)
+    fwd = configs.ForwardConfig(state_warps=4, state_warps_fp32=2)
+    _, state = forward_launches(h=2, hv=2, kd=100, vd=64, opts=opts, config=fwd,
+                                work=jnp.dtype(work), has_a_log=False, has_dt_bias=False,
+                                has_initial_state=True)
+    assert state.constexprs["SPLIT_K"] is split and state.num_warps == warps
+    assert state.constexprs["BK"] == (64 if split else 128)
+    bwd = configs.BackwardConfig(inter_block_v=32, inter_block_v_fp32=16, state_stages=2,
+                                 state_stages_fp32=1, prepare_block_k=64,
+                                 prepare_fp32_block_k=32, dstate_split_k=False)
+    launches = backward_launches(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
+                                 has_initial_state=True, has_final_grad=True,
+                                 work=jnp.dtype(work))
+    state, dstate = launches["kda_bwd_state_kernel"], launches["kda_bwd_dstate_kernel"]
+    assert state.constexprs["SPLIT_K"] is split and not dstate.constexprs["SPLIT_K"]
+    assert dstate.constexprs["BK"] == 128
+    assert launches["kda_bwd_inter_kernel"].constexprs["BV"] == bv
+    assert state.num_stages == dstate.num_stages == (1 if split else 2)
+    prepare = recompute_launch(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
+                               work=jnp.dtype(work))
+    assert prepare.constexprs["BK"] == (32 if split else 64)

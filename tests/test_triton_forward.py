@@ -40,6 +40,12 @@ CASES = [
      dict(state_v_first=True, scale=0.3)),
     ("extreme-gates", dict(T=80, K=32, V=32, gate_floor=-1000.0), dict()),
     ("no-state", dict(T=20, K=32, V=32, with_state=False), dict()),
+    # K > 64 with float32 intermediates (interpret mode's, and float32 inputs'
+    # on a GPU): the state kernel holds the state as two K halves
+    # (forward.split_state_k), the upper one masked at K = 100.
+    ("split-K100-v-first", dict(T=70, K=100, V=24, state_v_first=True),
+     dict(state_v_first=True)),
+    ("split-K128-c32", dict(T=45, H=1, K=128, V=16), dict(chunk_size=32)),
 ]
 if ON_GPU:
     CASES += [
@@ -98,6 +104,28 @@ def test_all_sequences_empty():
                              cu_seqlens=[0, 0, 0, 0], implementation="triton")
     assert o.shape == (1, 0, 2, 32)
     np.testing.assert_array_equal(np.asarray(s), x.initial_state)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_split_state_with_a_pool(v_first, check_close):
+    """The two K halves of the state read from and written to a pool's rows
+    (a padding index reads zeros and writes nothing)."""
+    hv, kd, vd, slots = 2, 100, 16, 4
+    x = testing.make_inputs(11, B=2, T=40, H=1, HV=hv, K=kd, V=vd, with_state=False)
+    rng = np.random.default_rng(12)
+    pool = (0.5 * rng.standard_normal((slots, hv) + ((vd, kd) if v_first else (kd, vd)))
+            ).astype(np.float32)
+    idx = np.array([2, -1])
+    o, new = kda_jax.chunk_kda(*x.args(), state_cache=pool, state_indices=idx,
+                               state_v_first=v_first, implementation="triton")
+    h0 = np.zeros((2,) + pool.shape[1:], np.float32)
+    h0[0] = pool[2]
+    ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=h0, output_final_state=True,
+                                           state_v_first=v_first)
+    check_close(o, ro, "float32", "o")
+    check_close(np.asarray(new)[2], rs[0], "float32", "final_state")
+    for r in (0, 1, 3):
+        np.testing.assert_array_equal(np.asarray(new[r]), pool[r], err_msg=f"row {r} changed")
 
 
 def _varlen_step(lens):

@@ -31,7 +31,7 @@ from kda_jax.bounds import SeqBounds, chunk_table, packed_metadata
 from kda_jax.configs import DOT_MODES, BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward import (KernelLaunch, chunk_kda_triton, forward_launches,
-                                    work_dtype)
+                                    split_state_k, work_dtype)
 from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
@@ -53,7 +53,7 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         prepare_block_k=config.prepare_block_k, prepare_warps=config.prepare_warps,
         prepare_stages=config.prepare_stages, prepare_dot=config.prepare_dot,
         prepare_wu_dot=config.prepare_wu_dot, inverse_dot=config.inverse_dot,
-        fp32_dot=config.fp32_dot)
+        fp32_dot=config.fp32_dot, fp32_block_k=config.prepare_fp32_block_k)
     prepare, _ = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=plain, config=fwd, work=work,
                                   has_a_log=False, has_dt_bias=False,
                                   has_initial_state=False, store_x=True)
@@ -68,33 +68,45 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     derived: :func:`core_backward` launches with them, :mod:`kda_jax.aot`
     compiles with them."""
     bt = opts.chunk_size
+    sixteen_bit = jnp.dtype(work).itemsize == 2
+    # The config's *_fp32 values apply with float32 intermediates (None: as 16-bit).
+    fp32 = lambda value, fp32_value: (value if sixteen_bit or fp32_value is None
+                                      else fp32_value)
     bk_state = _pow2(max(kd, 16))
     bv_state = min(_pow2(max(vd, 16)), config.state_block_v)
     # Past K = 128 the pipelined [BT, K] tiles outgrow shared memory (as forward).
-    state_stages = config.state_stages if bk_state <= 128 else 1
+    state_stages = (fp32(config.state_stages, config.state_stages_fp32)
+                    if bk_state <= 128 else 1)
+    # The state as two K halves, as the forward's (float32 intermediates), in
+    # the reverse pass too unless the config says otherwise.
+    split = split_state_k(work, kd)
+    split_rev = split and config.dstate_split_k
     block = lambda n, cap: min(_pow2(max(n, 16)), cap)
     dot_a = DOT_MODES.index(config.product_dot)
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
     # take fp32_dot.
-    dot_state = 0 if jnp.dtype(work).itemsize == 2 else DOT_MODES.index(config.fp32_dot)
+    dot_state = 0 if sixteen_bit else DOT_MODES.index(config.fp32_dot)
     common = dict(HV=hv, K=kd, V=vd, BT=bt)
     launches = [
         KernelLaunch("kda_bwd_state_kernel", dict(
-            **common, BK=bk_state, BV=bv_state, USE_INITIAL_STATE=has_initial_state,
-            STATE_V_FIRST=opts.state_v_first, DOT=dot_state), config.state_warps, state_stages),
+            **common, BK=bk_state // (2 if split else 1), BV=bv_state,
+            USE_INITIAL_STATE=has_initial_state, STATE_V_FIRST=opts.state_v_first,
+            DOT=dot_state, SPLIT_K=split), config.state_warps, state_stages),
         KernelLaunch("kda_bwd_dstate_kernel", dict(
-            **common, BK=bk_state, BV=bv_state, USE_FINAL_GRAD=has_final_grad,
-            STORE_INITIAL_GRAD=has_initial_state, STATE_V_FIRST=opts.state_v_first,
-            DOT=dot_state), config.state_warps, state_stages),
+            **common, BK=bk_state // (2 if split_rev else 1), BV=bv_state,
+            USE_FINAL_GRAD=has_final_grad, STORE_INITIAL_GRAD=has_initial_state,
+            STATE_V_FIRST=opts.state_v_first, DOT=dot_state, SPLIT_K=split_rev),
+            config.state_warps, state_stages),
         KernelLaunch("kda_bwd_inter_kernel", dict(
             H=h, **common, BK=block(kd, config.inter_block_k),
-            BV=block(vd, config.inter_block_v), SCALE=float(opts.scale), DOT=dot_state),
+            BV=block(vd, fp32(config.inter_block_v, config.inter_block_v_fp32)),
+            SCALE=float(opts.scale), DOT=dot_state),
             config.inter_warps, 1),
         KernelLaunch("kda_bwd_wy_kernel", dict(
             H=h, **common, BK=block(kd, config.wy_block_k), BV=block(vd, config.wy_block_v),
             SCALE=float(opts.scale), DOT_X=DOT_MODES.index(
-                config.wy_dot if jnp.dtype(work).itemsize == 2 else config.wy_fp32_dot)),
+                config.wy_dot if sixteen_bit else config.wy_fp32_dot)),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(
             H=h, HV=hv, K=kd, BT=bt, BK=block(kd, config.intra_block_k), DOT_A=dot_a,

@@ -22,7 +22,7 @@ from kda_jax.configs import DOT_MODES, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
 
-__all__ = ["KernelLaunch", "chunk_kda_triton", "forward_launches", "work_dtype"]
+__all__ = ["KernelLaunch", "chunk_kda_triton", "forward_launches", "split_state_k", "work_dtype"]
 
 # Position of h0 (the pool, when there is one) among the state kernel's arguments.
 _STATE_H0_ARG = 6
@@ -41,6 +41,17 @@ def work_dtype(input_dtype, *, interpret: bool = False):
     if interpret or dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return jnp.dtype(jnp.float32)
     return dtype
+
+
+def split_state_k(work, kd: int) -> bool:
+    """Whether the state kernels (the forward's and the backward's two passes)
+    hold the state as two K halves: with float32 intermediates from K = 128
+    (padded) on. Their fp32-grade products split each [BT, K] operand into
+    tf32 parts in registers (tf32x3 on sm90): with [64, 128] float32 tiles
+    they spilled 264-1188 bytes on sm90 at every V block (16, 32), warp count
+    (4, 8) and stage count (1, 2) tried; in K halves they compile without
+    spills (kda_jax.aot). 16-bit intermediates keep one tile (unchanged code)."""
+    return jnp.dtype(work).itemsize != 2 and _pow2(max(kd, 16)) >= 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +104,11 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         num_warps=config.prepare_warps,
         num_stages=config.prepare_stages,
     )
+    split = split_state_k(work, kd)
     state = KernelLaunch(
         kernel="kda_fwd_state_output_kernel",
         constexprs=dict(
-            HV=hv, K=kd, V=vd, BT=bt, BK=_pow2(max(kd, 16)),
+            HV=hv, K=kd, V=vd, BT=bt, BK=_pow2(max(kd, 16)) // (2 if split else 1),
             BV=min(_pow2(vd), _wide(config.state_block_v, config.state_block_v_wide)),
             USE_INITIAL_STATE=has_initial_state or indexed_state,
             STORE_FINAL_STATE=opts.output_final_state or indexed_state,
@@ -104,8 +116,11 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             INDEXED_STATE=indexed_state,
             # 16-bit intermediates make 16-bit products; float32 ones take fp32_dot.
             DOT=0 if sixteen_bit else DOT_MODES.index(config.fp32_dot),
+            SPLIT_K=split,  # the state as two [BK, BV] tiles
         ),
-        num_warps=_wide(config.state_warps, config.state_warps_wide),
+        num_warps=(config.state_warps_fp32
+                   if not sixteen_bit and config.state_warps_fp32 is not None
+                   else _wide(config.state_warps, config.state_warps_wide)),
         # With K > 128 the pipelined [BT, K] tiles of w, qg and kt outgrow an
         # H200's 227 KiB of shared memory at two stages (measured: 232 KiB).
         num_stages=(_wide(config.state_stages, config.state_stages_wide)
