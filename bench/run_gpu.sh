@@ -13,8 +13,9 @@
 #   bprofile  the same for forward + backward
 #   tune      bench.tune_forward's grid
 #   dprofile  Nsight Compute per kernel of a dense decode step (N = 256), kda_jax and fla
-#   dtrace    profiler timelines of 20 dense decode steps (N = 256), kda_jax and
-#             fla: GPU busy and idle time per step (bench.trace_decode)
+#   dtrace    profiler timelines of 20 dense decode steps (N = 256), kda_jax (one
+#             step and 8 chained steps per program) and fla: GPU busy and idle
+#             time per step (bench.trace_decode)
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
@@ -101,10 +102,11 @@ for stage in "$@"; do
           | grep -E "^  [a-zA-Z_]|Duration|DRAM Throughput|Registers|Achieved Occupancy"
       done | tee "$OUT/ncu_decode.log" ;;
     dtrace)
-      for peer in kda_jax fla; do
-        timeout 120 python3 -m bench.trace_decode --peer $peer --json "$OUT/trace_decode_$peer.json" \
-          > "$OUT/trace_decode_$peer.log" 2>&1
-        head -12 "$OUT/trace_decode_$peer.log"
+      for run in "kda_jax 1" "kda_jax 8" "fla 1"; do
+        read -r peer chain <<< "$run"
+        timeout 120 python3 -m bench.trace_decode --peer "$peer" --chain "$chain" \
+          --json "$OUT/trace_decode_${peer}_$chain.json" > "$OUT/trace_decode_${peer}_$chain.log" 2>&1
+        head -12 "$OUT/trace_decode_${peer}_$chain.log"
       done ;;
     source)
       timeout 240 ncu --kernel-name kda_fwd_prepare_kernel --launch-count 1 --set full \

@@ -1,7 +1,8 @@
 """Where a dense decode step's time goes on the GPU: a profiler timeline of
 consecutive steps, summarized as GPU busy and idle time per step.
 
-    python -m bench.trace_decode [--n 256] [--steps 20] [--peer kda_jax|fla] [--json PATH]
+    python -m bench.trace_decode [--n 256] [--steps 20] [--peer kda_jax|fla] [--chain 8]
+        [--json PATH]
 
 kda_jax (``jax.profiler.trace``) or fla (``torch.profiler``, run it in its own
 process: torch's Triton and jax-triton clash in one) runs ``--steps`` dense
@@ -84,7 +85,9 @@ def _latest_trace(root: str) -> dict:
         return json.load(f)
 
 
-def trace_kda_jax(n: int, h: int, d: int, steps: int) -> dict:
+def trace_kda_jax(n: int, h: int, d: int, steps: int, chain: int = 1) -> dict:
+    """``steps`` calls of a jitted program of ``chain`` decode steps (each from
+    the last one's states); the summary is per decode step."""
     import jax
     import jax.numpy as jnp
 
@@ -94,8 +97,12 @@ def trace_kda_jax(n: int, h: int, d: int, steps: int) -> dict:
     x = [jnp.asarray(a.reshape((n, 1) + a.shape[2:]), jnp.bfloat16 if i < 3 else jnp.float32)
          for i, a in enumerate(arrays)]
     h0 = jnp.zeros((n, h, d, d), jnp.float32)
-    step = jax.jit(lambda h0, *x: kda_jax.fused_recurrent_kda(
-        *x, initial_state=h0, output_final_state=True))
+    def steps_of(h0, *x):
+        for _ in range(chain):
+            o, h0 = kda_jax.fused_recurrent_kda(*x, initial_state=h0, output_final_state=True)
+        return o, h0
+
+    step = jax.jit(steps_of)
     out = step(h0, *x)
     jax.block_until_ready(out)
     root = tempfile.mkdtemp(prefix="kda_trace_")
@@ -103,7 +110,7 @@ def trace_kda_jax(n: int, h: int, d: int, steps: int) -> dict:
         for _ in range(steps):
             out = step(h0, *x)
         jax.block_until_ready(out)
-    return summarize(gpu_activities(_latest_trace(root)), steps)
+    return summarize(gpu_activities(_latest_trace(root)), steps * chain)
 
 
 def trace_fla(n: int, h: int, d: int, steps: int) -> dict:
@@ -135,11 +142,16 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--peer", default="kda_jax", choices=("kda_jax", "fla"))
+    p.add_argument("--chain", type=int, default=1,
+                   help="kda_jax: decode steps per jitted program (gaps inside one program)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    run = trace_kda_jax if a.peer == "kda_jax" else trace_fla
-    result = dict(run(a.n, a.heads, a.head_dim, a.steps), peer=a.peer, n=a.n,
+    if a.peer == "kda_jax":
+        summary = trace_kda_jax(a.n, a.heads, a.head_dim, a.steps, a.chain)
+    else:
+        summary = trace_fla(a.n, a.heads, a.head_dim, a.steps)
+    result = dict(summary, peer=a.peer, n=a.n, chain=a.chain,
                   command="python -m bench.trace_decode " + " ".join(
                       argv if argv is not None else sys.argv[1:]))
     print(json.dumps(result, indent=1))
