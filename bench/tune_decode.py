@@ -6,8 +6,10 @@ several launch configs and checks each one against the float32 reference
         [--json PATH]
 
 Each row: the config, the median ms of a dense [N, 1] decode step with an
-initial and final state (bf16 q, k, v; K = V = 128) per batch size, and the
-relative RMS error of o and the final state at the first batch size.
+initial and final state (bf16 q, k, v; K = V = 128) per batch size, of the
+serving form at the first batch size (a decode bucket with max_len 1 and a
+donated state pool, updated in place), and the relative RMS error of o
+and the final state at the first batch size.
 """
 
 from __future__ import annotations
@@ -82,6 +84,23 @@ def main(argv=None):
                     *a, initial_state=h0, output_final_state=True, implementation="triton"))
                 for n, (x, h0) in inputs.items():
                     rec[f"ms_N{n}"] = time_jax(step, h0, *x)
+                # The serving form: a decode bucket (max_len 1) and a donated pool.
+                n = batches[0]
+                x, h0 = inputs[n]
+                batch = jax.device_put(kda_jax.VarlenBatch.from_lengths(
+                    [1] * n, kda_jax.Bucket(n, n, max_len=1)))
+                pooled = jax.jit(lambda pool, idx, batch, *a: kda_jax.fused_recurrent_kda(
+                    *(y.reshape((1, n) + y.shape[2:]) for y in a), cu_seqlens=batch,
+                    state_cache=pool, state_indices=idx, implementation="triton")[1],
+                    donate_argnums=0)  # in place: the pool goes round
+                state = {"pool": h0.copy()}
+                idx = jnp.arange(n, dtype=jnp.int32)
+
+                def pool_step(state=state, pooled=pooled, idx=idx, batch=batch, x=x):
+                    state["pool"] = pooled(state["pool"], idx, batch, *x)
+                    return state["pool"]
+
+                rec[f"ms_N{n}_bucket_pool"] = time_jax(pool_step)
                 o, s = step(h00, *x0)
             rec.update(o_rel_rms=testing.rel_rms(o, ro), state_rel_rms=testing.rel_rms(s, rs))
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result

@@ -372,12 +372,17 @@ class Bucket:
         the most any bounds within (max_seqs, max_tokens) can need
         (:func:`most_chunks`), so it never limits; a smaller value is checked
         for each bounds.
+      max_len: the longest a sequence may be (None: no limit but max_tokens),
+        checked for each bounds. 1 makes a decode bucket: every sequence has
+        at most one token, which lets fused_recurrent_kda's two-pass form
+        (``RecurrentConfig.stream_block_k``) serve the batch.
     """
 
     max_seqs: int
     max_tokens: int
     chunk_size: int = 64
     max_chunks: int | None = None
+    max_len: int | None = None
 
     def __post_init__(self):
         fix = "pick a bucket with kda_jax.Bucket.fit(cu_seqlens)"
@@ -390,6 +395,9 @@ class Bucket:
         most = most_chunks(seqs, tokens, int(self.chunk_size))
         chunks = most if self.max_chunks is None else _positive_int(
             self.max_chunks, "max_chunks", f"or None for the most the bucket can need ({most})")
+        if self.max_len is not None:
+            object.__setattr__(self, "max_len", _positive_int(
+                self.max_len, "max_len", "or None for no limit but max_tokens"))
         # Normalized, so that Bucket(16, 4096) == Bucket(16, 4096, 64, 79).
         for name, value in (("max_seqs", seqs), ("max_tokens", tokens),
                             ("chunk_size", int(self.chunk_size)),
@@ -436,6 +444,10 @@ class Bucket:
                                    (f"chunks of {self.chunk_size}", chunks, self.max_chunks)):
             if value > limit:
                 return f"{bounds} has {value} {what}, more than the bucket's {limit}"
+        longest = int(bounds.lengths.max(initial=0))
+        if self.max_len is not None and longest > self.max_len:
+            return (f"{bounds} has a sequence of {longest} tokens, longer than the bucket's "
+                    f"max_len={self.max_len}")
         return None
 
     @property

@@ -25,8 +25,8 @@ ht[write_idx[n]]; an index outside [0, slots) reads zeros / writes nothing.
 The pool is passed as h0 and aliased to ht, so rows no sequence names keep
 their contents.
 
-With STREAM (a dense decode step: UNIFORM with one token per sequence) the
-state is not held whole: two passes stream it through [BKS, BV] tiles. The
+With STREAM (every sequence has at most one token: a decode step) the state
+is not held whole: two passes stream it through [BKS, BV] tiles. The
 first decays each tile and accumulates k @ S and q @ S; then
 v_new = beta (v - k @ S) and o = scale (q @ S + (q . k) v_new), since
 q @ (S + outer(k, v_new)) = q @ S + (q . k) v_new; the second pass reads each
@@ -95,12 +95,16 @@ def kda_fused_recurrent_kernel(
         bos = tl.load(meta + off_cu + i_n)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    if STREAM:
-        # One token per sequence (UNIFORM, SEQ_LEN 1): no tail program.
+    if STREAM and (i_n < n_seqs):
+        # At most one token per sequence.
+        if UNIFORM:
+            has_tok = tl.full([], 1, tl.int1)  # a tensor: it joins masks
+        else:
+            has_tok = tl.load(meta + off_cu + i_n + 1) > bos
         _one_token_streamed(
             q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, slots, o, ht, i_n, i_hv,
-            bos, o_v, m_v, H, HV, K, V, BK, BV, BKS, SCALE, USE_L2NORM, USE_GATE, HAS_A_LOG,
-            HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID, BETA_SCALE,
+            bos, has_tok, o_v, m_v, H, HV, K, V, BK, BV, BKS, SCALE, USE_L2NORM, USE_GATE,
+            HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID, BETA_SCALE,
             USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE)
     elif i_n < n_seqs:
         _recurrent_sequence(
@@ -195,7 +199,7 @@ def _recurrent_sequence(
 @triton.jit
 def _one_token_streamed(
     q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, slots, o, ht, i_n, i_hv, bos,
-    o_v, m_v,
+    has_tok, o_v, m_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, SCALE: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
@@ -204,11 +208,14 @@ def _one_token_streamed(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
 ):
-    """Sequence i_n's one token with the state streamed in two passes over K
-    tiles (see the module docstring); the same reads and writes of the state
-    rows as _recurrent_sequence."""
+    """Sequence i_n's one token (none where ``has_tok`` is False: an empty
+    sequence, whose state passes through) with the state streamed in two passes
+    over K tiles (see the module docstring); the same reads and writes of the
+    state rows as _recurrent_sequence."""
     i_h = i_hv // (HV // H)
-    t0 = bos.to(tl.int64)
+    # An empty sequence reads row 0 (always there) and zeroes what it read:
+    # k = 0, beta = 0 and no decay leave its state as it was; its o is not written.
+    t0 = tl.where(has_tok, bos, 0).to(tl.int64)
     p_qk = (t0 * H + i_h) * K      # q and k rows of the token (int64: T * H * K can pass 2^31)
     p_gk = (t0 * HV + i_hv) * K    # g row
     p_vo = (t0 * HV + i_hv) * V    # v and o rows
@@ -217,7 +224,7 @@ def _one_token_streamed(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     b_q = tl.load(q + p_qk + o_k, mask=m_k, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_qk + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_k = tl.where(has_tok, tl.load(k + p_qk + o_k, mask=m_k, other=0.).to(tl.float32), 0.)
     r_q = 1.
     r_k = 1.
     if USE_L2NORM:
@@ -232,7 +239,7 @@ def _one_token_streamed(
     b_beta = tl.load(beta + t0 * HV + i_hv).to(tl.float32)
     if BETA_SIGMOID:
         b_beta = _sigmoid(b_beta)
-    b_beta = b_beta * BETA_SCALE
+    b_beta = tl.where(has_tok, b_beta * BETA_SCALE, 0.)
     b_v = tl.load(v + p_vo + o_v, mask=m_v, other=0.).to(tl.float32)
 
     # The state rows: read from (zeros without one), written to (or not); an
@@ -256,8 +263,8 @@ def _one_token_streamed(
     b_qs = tl.zeros([BV], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BKS)):
         b_h, b_kb, o_kb, m_kb, o_s, m_kv = _decayed_tile(
-            p_src, has_src, k, g, dt_bias, p_qk, p_gk, i_hv, i_k, o_v, m_v, r_k, b_a, K, V, BKS,
-            BV, USE_GATE, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, USE_INITIAL_STATE,
+            p_src, has_src, has_tok, k, g, dt_bias, p_qk, p_gk, i_hv, i_k, o_v, m_v, r_k, b_a, K,
+            V, BKS, BV, USE_GATE, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, USE_INITIAL_STATE,
             STATE_V_FIRST)
         b_qb = tl.load(q + p_qk + o_kb, mask=m_kb, other=0.).to(tl.float32) * r_q
         b_ks += tl.sum(b_h * b_kb[:, None], axis=0)
@@ -265,21 +272,22 @@ def _one_token_streamed(
 
     b_vn = b_beta * (b_v - b_ks)
     b_o = (b_qs + b_qk * b_vn) * SCALE
-    tl.store(o + p_vo + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if has_tok:
+        tl.store(o + p_vo + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
     # Pass 2: the decayed tiles again, plus outer(k, v_new).
     if STORE_FINAL_STATE and has_dst:
         for i_k in range(0, tl.cdiv(K, BKS)):
             b_h, b_kb, o_kb, m_kb, o_s, m_kv = _decayed_tile(
-                p_src, has_src, k, g, dt_bias, p_qk, p_gk, i_hv, i_k, o_v, m_v, r_k, b_a, K, V,
-                BKS, BV, USE_GATE, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, USE_INITIAL_STATE,
+                p_src, has_src, has_tok, k, g, dt_bias, p_qk, p_gk, i_hv, i_k, o_v, m_v, r_k, b_a,
+                K, V, BKS, BV, USE_GATE, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, USE_INITIAL_STATE,
                 STATE_V_FIRST)
             tl.store(p_dst + o_s, b_h + b_kb[:, None] * b_vn[None, :], mask=m_kv)
 
 
 @triton.jit
-def _decayed_tile(p_src, has_src, k, g, dt_bias, p_qk, p_gk, i_hv, i_k, o_v, m_v, r_k, b_a,
-                  K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+def _decayed_tile(p_src, has_src, has_tok, k, g, dt_bias, p_qk, p_gk, i_hv, i_k, o_v, m_v, r_k,
+                  b_a, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
                   USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                   HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
                   USE_INITIAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr):
@@ -301,5 +309,7 @@ def _decayed_tile(p_src, has_src, k, g, dt_bias, p_qk, p_gk, i_hv, i_k, o_v, m_v
         if HAS_DT_BIAS:
             b_dt = tl.load(dt_bias + i_hv * K + o_kb, mask=m_kb, other=0.).to(tl.float32)
         b_gk = _in_kernel_gate(b_gk, b_dt, b_a, m_kb, HAS_LOWER_BOUND, LOWER_BOUND)
-    b_kb = tl.load(k + p_qk + o_kb, mask=m_kb, other=0.).to(tl.float32) * r_k
+    b_gk = tl.where(has_tok, b_gk, 0.)  # no token: no decay and k = 0
+    b_kb = tl.where(has_tok, tl.load(k + p_qk + o_kb, mask=m_kb, other=0.).to(tl.float32) * r_k,
+                    0.)
     return b_h * tl.exp(b_gk)[:, None], b_kb, o_kb, m_kb, o_s, m_kv

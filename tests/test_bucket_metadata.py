@@ -226,3 +226,12 @@ def test_from_lengths_reuses_a_read_only_buffer():
         VarlenBatch.from_lengths([1.5, 2.0], bucket)
     with pytest.raises(ValueError, match=r"lengths must be >= 0"):
         VarlenBatch.from_lengths([3, -1], bucket)
+
+
+def test_max_len_is_checked():
+    with pytest.raises(ValueError, match=r"max_len=0 must be a positive int"):
+        Bucket(4, 8, max_len=0)
+    decode = Bucket(4, 8, max_len=1)
+    assert decode.why_not([0, 1, 1, 2]) is None
+    assert "longer than the bucket's max_len=1" in decode.why_not([0, 2, 3])
+    assert Bucket(4, 8).why_not([0, 2, 3]) is None

@@ -115,3 +115,40 @@ def test_streaming_applies_to_one_token_per_sequence_only(check_close):
 def test_stream_block_k_is_validated():
     with pytest.raises(ValueError, match=r"stream_block_k=24 must be a power of two >= 8"):
         configs.RecurrentConfig(stream_block_k=24)
+
+
+def test_a_decode_bucket_streams_with_empty_slots_and_padding(check_close):
+    """A bucket with max_len=1 (every sequence at most one token): the batch's
+    bounds are device data, empty sequences pass their state through, padded
+    slots touch nothing, and token rows past the end get o = 0."""
+    hv, kd, vd, slots = 2, 40, 24, 7
+    lens = [1, 0, 1, 1, 0]
+    bucket = kda_jax.Bucket(8, 8, max_len=1)
+    batch = kda_jax.VarlenBatch.from_lengths(lens, bucket)
+    x = testing.make_inputs(15, T=bucket.max_tokens, H=1, HV=hv, K=kd, V=vd, N=len(lens),
+                            with_state=False, raw_gate=True)
+    pool = (0.5 * np.random.default_rng(4).standard_normal((slots, hv, kd, vd))).astype(np.float32)
+    idx = np.array([3, 0, 5, 2, 6, -1, -1, -1], np.int32)
+    kw = dict(use_gate_in_kernel=True, A_log=x.A_log, dt_bias=x.dt_bias,
+              use_beta_sigmoid_in_kernel=True)
+    assert recurrent_constexprs(
+        h=1, hv=hv, kd=kd, vd=vd, opts=KdaOptions(scale=0.1), config=STREAMED, has_a_log=True,
+        has_dt_bias=True, has_initial_state=False, indexed_state=True, max_len=1)["STREAM"]
+    with configs.override_recurrent(STREAMED):
+        o, new = kda_jax.fused_recurrent_kda(*x.args(), cu_seqlens=batch, state_cache=pool,
+                                             state_indices=idx, implementation="triton", **kw)
+    t = sum(lens)
+    cu = np.cumsum([0] + lens)
+    args = [a[:, :t] for a in x.args()]
+    ro, rs = reference.naive_recurrent_kda(*args, cu_seqlens=cu, initial_state=pool[idx[:5]],
+                                           output_final_state=True, **kw)
+    check_close(o[:, :t], ro, "float32", "o")
+    np.testing.assert_array_equal(np.asarray(o[:, t:]), 0)
+    new = np.asarray(new)
+    for i, row in enumerate(idx[:5]):
+        check_close(new[row], rs[i], "float32", "final_state")
+    np.testing.assert_array_equal(new[0], pool[0])  # the empty sequence's row: as it was
+    for row in (1, 4):  # named by no sequence
+        np.testing.assert_array_equal(new[row], pool[row], err_msg=f"row {row} changed")
+    with pytest.raises(ValueError, match=r"longer than the bucket's max_len=1"):
+        kda_jax.VarlenBatch.from_lengths([1, 2], bucket)
