@@ -173,7 +173,7 @@ def kda_rows(a, sets):
         arrays = make(1, n, h, d, d, seed=1)
         dx = tuple(jnp.asarray(y, jnp.bfloat16 if i < 3 else jnp.float32)
                    for i, y in enumerate(arrays))
-        dbucket, ones = kda_jax.Bucket(n, n), [1] * n
+        dbucket, ones = kda_jax.Bucket(n, n, max_len=1), [1] * n  # a decode bucket
         didx, dh0 = jnp.arange(n, dtype=jnp.int32), jnp.zeros((n, h, d, d), jnp.float32)
         dstate = {"pool": jnp.zeros((n, h, d, d), jnp.float32)}
 
