@@ -95,23 +95,25 @@ def kda_fused_recurrent_kernel(
         bos = tl.load(meta + off_cu + i_n)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    if STREAM and (i_n < n_seqs):
-        # At most one token per sequence.
-        if UNIFORM:
-            has_tok = tl.full([], 1, tl.int1)  # a tensor: it joins masks
+    if i_n < n_seqs:
+        # STREAM is a constexpr: one of the two forms is compiled, not both.
+        if STREAM:  # at most one token per sequence
+            if UNIFORM:
+                has_tok = tl.full([], 1, tl.int1)  # a tensor, as the loaded case
+            else:
+                has_tok = tl.load(meta + off_cu + i_n + 1) > bos
+            _one_token_streamed(
+                q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, slots, o, ht, i_n,
+                i_hv, bos, has_tok, o_v, m_v, H, HV, K, V, BK, BV, BKS, SCALE, USE_L2NORM,
+                USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID,
+                BETA_SCALE, USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE)
         else:
-            has_tok = tl.load(meta + off_cu + i_n + 1) > bos
-        _one_token_streamed(
-            q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, slots, o, ht, i_n, i_hv,
-            bos, has_tok, o_v, m_v, H, HV, K, V, BK, BV, BKS, SCALE, USE_L2NORM, USE_GATE,
-            HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID, BETA_SCALE,
-            USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE)
-    elif i_n < n_seqs:
-        _recurrent_sequence(
-            q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
-            o, ht, i_n, i_hv, bos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM, USE_GATE,
-            HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID, BETA_SCALE,
-            USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, UNIFORM, SEQ_LEN)
+            _recurrent_sequence(
+                q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
+                o, ht, i_n, i_hv, bos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM,
+                USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID,
+                BETA_SCALE, USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE,
+                UNIFORM, SEQ_LEN)
     else:
         # The tail program of a bucketed batch: o = 0 on rows [bos, n_tokens).
         o_z = tl.arange(0, TAIL_ROWS)
