@@ -18,6 +18,8 @@
 #             time per step (bench.trace_decode)
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
+#   dtorch    kda_jax's decode kernel and fla's launched from one PyTorch process
+#             (bench.decode_kernels_torch): the kernel's time without JAX's runtime
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
@@ -119,6 +121,10 @@ for stage in "$@"; do
       timeout 240 python3 -m bench.tune_decode ${DECODE_CONFIGS:+--configs "$DECODE_CONFIGS"} \
         ${DECODE_BATCHES:+--batches "$DECODE_BATCHES"} --json "$OUT/tune_decode.json" 2>&1 \
         | grep -v Warning | tail -14 ;;
+    dtorch)
+      timeout 150 python3 -m bench.decode_kernels_torch ${DECODE_CONFIGS:+--configs "$DECODE_CONFIGS"} \
+        --json "$OUT/decode_kernels_torch.json" > "$OUT/decode_kernels_torch.log" 2>&1
+      grep -v Warning "$OUT/decode_kernels_torch.log" | tail -12 ;;
     tuneb)
       timeout 300 python3 -m bench.tune_backward ${GRID:+--grid "$GRID"} --json "$OUT/tune_backward.json" 2>&1 \
         | grep -v Warning | tail -8 ;;
