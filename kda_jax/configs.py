@@ -274,12 +274,14 @@ class RecurrentConfig:
 # per lane (64 at K = 256): 4 warps of 32 on sm90 and gfx1250 (wave32), 2
 # waves of 64 on gfx950 and gfx942.
 RECURRENT = {
-    # sm90: bench.tune_decode on the H200 (H = 32, K = V = 128, dense decode,
-    # N = 256 / 1024): 64 wide, 4 warps 0.359 / 1.347 ms against 0.375 / 1.442
-    # at 32 wide, 4 warps; 64 wide, 2 warps (0.307 / 1.147) and 1 warp spill
-    # (kda_jax.aot), 8 and 16 wide are 2-4x slower. Past K = 128, 64 wide
-    # spills too: 32 there.
-    "sm90": RecurrentConfig(block_v=64, warps=4, stages=2, block_v_wide=32),
+    # sm90: 32 wide, 4 warps (fla's tile). The H200, dense decode of 256
+    # one-token sequences, H = 32, K = V = 128: launched from one PyTorch
+    # process beside fla's kernel (bench.decode_kernels_torch), 32 x 4 takes
+    # 0.269-0.272 ms against fla's 0.271-0.272 and 64 x 4 0.289-0.293; through
+    # jit (bench.tune_decode) 0.294 against 0.308-0.317. 32 x 1, 64 x 2 and
+    # 16 x 1 lie between. The two-pass form (stream_block_k) took 0.37-0.83 ms:
+    # off. Spill-free on sm90 at every K (kda_jax.aot).
+    "sm90": RecurrentConfig(block_v=32, warps=4, stages=2),
     "gfx950": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx1250": RecurrentConfig(block_v=32, warps=4, stages=2),

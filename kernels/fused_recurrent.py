@@ -41,7 +41,7 @@ softplus of the in-kernel transforms, which are written on -|x|.
 import triton
 import triton.language as tl
 
-from .state_io import load_state, state_offsets, store_state
+from .state_io import load_state, state_offsets, store_state_row
 
 
 @triton.jit
@@ -145,6 +145,11 @@ def _recurrent_sequence(
         eos = tl.load(meta + off_cu + i_n + 1)
 
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
+    # A pool's write row is loaded now, beside the read row, not after the
+    # tokens: the final store then does not wait on a load of its own.
+    i_w = i_n
+    if INDEXED_STATE and STORE_FINAL_STATE:
+        i_w = tl.load(write_idx + i_n)
     b_h = load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV,
                      USE_INITIAL_STATE, INDEXED_STATE)
 
@@ -194,8 +199,8 @@ def _recurrent_sequence(
         p_v += HV * V
         p_o += HV * V
 
-    store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
-                INDEXED_STATE)
+    store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
+                    INDEXED_STATE)
 
 
 @triton.jit

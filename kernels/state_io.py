@@ -65,16 +65,29 @@ def load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr, K: t
 
 
 @triton.jit
-def store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr,
-                K: tl.constexpr, V: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                INDEXED_STATE: tl.constexpr):
-    """Sequence i_n's final state tile."""
+def store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                    INDEXED_STATE: tl.constexpr):
+    """The final state tile into row ``i_w``, already known: a pool row loaded
+    at the program's start (written only inside [0, slots)), or the sequence."""
     if STORE_FINAL_STATE:
         if INDEXED_STATE:
-            i_w = tl.load(write_idx + i_n)
             if (i_w >= 0) & (i_w < slots):
                 p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
                 tl.store(p_ht + o_s, b_h, mask=m_kv)
         else:
-            p_ht = ht + (i_n.to(tl.int64) * HV + i_hv) * K * V
+            p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
             tl.store(p_ht + o_s, b_h, mask=m_kv)
+
+
+@triton.jit
+def store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                INDEXED_STATE: tl.constexpr):
+    """Sequence i_n's final state tile (its pool row loaded here)."""
+    if STORE_FINAL_STATE:
+        i_w = i_n
+        if INDEXED_STATE:
+            i_w = tl.load(write_idx + i_n)
+        store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
+                        INDEXED_STATE)
