@@ -96,7 +96,7 @@ def main(argv=None):
                 USE_GATE=False, HAS_A_LOG=False, HAS_DT_BIAS=False, HAS_LOWER_BOUND=False,
                 LOWER_BOUND=0.0, BETA_SIGMOID=False, BETA_SCALE=1.0, USE_INITIAL_STATE=True,
                 STORE_FINAL_STATE=True, STATE_V_FIRST=False, INDEXED_STATE=False,
-                UNIFORM=True, SEQ_LEN=1, STREAM=False, BKS=d,
+                UNIFORM=True, SEQ_LEN=1,
                 num_warps=warps, num_stages=2)
             return o, ht
         return call

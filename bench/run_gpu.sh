@@ -24,9 +24,9 @@
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
 # SHAPES="B,T,H;B,T,H" limits `forward` and `backward` to those rows.
-# GRID=NAME picks bench.tune_backward's grid; DECODE_CONFIGS ("16x1,64x4x32":
-# block_v x warps [x stream_block_k]) and DECODE_BATCHES ("256") limit
-# bench.tune_decode's. FORWARD_TIMEOUT, VARLEN_TIMEOUT, BACKWARD_TIMEOUT,
+# GRID=NAME picks bench.tune_backward's grid; DECODE_CONFIGS ("16x1,32x4":
+# block_v x warps) limits bench.tune_decode's and bench.decode_kernels_torch's
+# configs, DECODE_BATCHES ("256") tune_decode's batch sizes. FORWARD_TIMEOUT, VARLEN_TIMEOUT, BACKWARD_TIMEOUT,
 # SERVING_TIMEOUT and TESTS_TIMEOUT (seconds) replace those stages' limits.
 # IMPLS (default "triton,fla") picks the implementations of `forward` and
 # `backward` (and `fvarlen`), e.g.

@@ -2,7 +2,7 @@
 several launch configs and checks each one against the float32 reference
 (GPU only; CPU timings mean nothing).
 
-    python -m bench.tune_decode [--batches 256,1024] [--heads 32] [--configs 16x1,64x4x32]
+    python -m bench.tune_decode [--batches 256,1024] [--heads 32] [--configs 16x1,32x4]
         [--json PATH]
 
 Each row: the config, the median ms of a dense [N, 1] decode step with an
@@ -32,21 +32,16 @@ from bench.timing import time_jax, versions
 from kda_jax import configs, reference, testing
 
 # Around the shipped sm90 config: the V block (more, smaller programs for the
-# memory-bound state read and write) and the warps per program; then the
-# two-pass form of a one-token step (stream_block_k: the state streamed through
-# [stream_block_k, block_v] tiles, 32-40 registers on sm90 instead of 166).
-GRID = ([dict(block_v=bv, warps=w) for bv in (16, 32, 64) for w in (1, 2, 4)]
-        + [dict(block_v=bv, warps=w, stream_block_k=bks)
-           for bv, w, bks in ((32, 4, 32), (64, 4, 32), (64, 4, 16), (128, 4, 16), (32, 2, 32),
-                              (64, 8, 32), (128, 8, 32))])
+# memory-bound state read and write) and the warps per program.
+GRID = [dict(block_v=bv, warps=w) for bv in (16, 32, 64) for w in (1, 2, 4)]
 
 
 def _config_of(text: str) -> dict:
-    """'64x4' -> block_v 64, 4 warps; '64x4x32' adds stream_block_k 32."""
-    parts = [int(x) for x in text.split("x")]
-    if len(parts) not in (2, 3):
-        raise ValueError(f"config {text!r} must be BLOCK_VxWARPS or BLOCK_VxWARPSxSTREAM_BLOCK_K")
-    return dict(zip(("block_v", "warps", "stream_block_k"), parts))
+    """'64x4' -> block_v 64, 4 warps."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(x.isdigit() for x in parts):
+        raise ValueError(f"config {text!r} must be BLOCK_VxWARPS, e.g. 32x4")
+    return dict(zip(("block_v", "warps"), (int(x) for x in parts)))
 
 
 def decode_inputs(n: int, h: int, d: int):
@@ -64,7 +59,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--configs", default=None,
-                   help="'BLOCK_VxWARPS[xSTREAM_BLOCK_K],...': these configs instead of "
+                   help="'BLOCK_VxWARPS,...' (e.g. 32x4,64x2): these configs instead of "
                    "the grid")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

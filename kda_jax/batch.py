@@ -173,8 +173,6 @@ class KernelMetadata:
       batch, or a decode step of one token each): a kernel can then place
       sequence n at n * uniform_len without loading its bounds. None otherwise
       (a batch's bounds are device data).
-    max_len: the longest sequence (host bounds), or the bucket's max_len
-      (None: not bounded): 1 or less lets the decode kernel's two-pass form run.
     """
 
     buffer: jax.Array
@@ -186,7 +184,6 @@ class KernelMetadata:
     chunk_programs: int
     bucketed: bool
     uniform_len: int | None = None
-    max_len: int | None = None
 
 
 def kernel_metadata(varlen: SeqBounds | VarlenBatch, chunk_size: int) -> KernelMetadata:
@@ -198,7 +195,7 @@ def kernel_metadata(varlen: SeqBounds | VarlenBatch, chunk_size: int) -> KernelM
             buffer=jnp.asarray(varlen.metadata), off_cu=b.offset("cu_seqlens"),
             off_co=b.offset("chunk_offsets"), off_ct=b.offset("chunk_table"),
             num_seqs=b.max_seqs, seq_programs=b.max_seqs + 1, chunk_programs=b.max_chunks,
-            bucketed=True, max_len=b.max_len,
+            bucketed=True,
         )
     packed = packed_metadata(varlen, chunk_size)
     lengths = varlen.lengths
@@ -209,7 +206,6 @@ def kernel_metadata(varlen: SeqBounds | VarlenBatch, chunk_size: int) -> KernelM
         seq_programs=varlen.num_seqs, chunk_programs=chunk_table(varlen, chunk_size).shape[0],
         bucketed=False,
         uniform_len=int(lengths[0]) if len(lengths) and np.all(lengths == lengths[0]) else None,
-        max_len=int(lengths.max(initial=0)),
     )
 
 

@@ -373,9 +373,9 @@ class Bucket:
         (:func:`most_chunks`), so it never limits; a smaller value is checked
         for each bounds.
       max_len: the longest a sequence may be (None: no limit but max_tokens),
-        checked for each bounds. 1 makes a decode bucket: every sequence has
-        at most one token, which lets fused_recurrent_kda's two-pass form
-        (``RecurrentConfig.stream_block_k``) serve the batch.
+        checked for each bounds: ``Bucket(n, n, max_len=1)`` is a decode
+        bucket, whose bounds are refused unless every sequence has at most
+        one token.
     """
 
     max_seqs: int

@@ -247,20 +247,15 @@ class RecurrentConfig:
     warps / stages: num_warps / num_stages.
     block_v_wide: the V block past K = 128, where the tile is twice as tall
       (None: block_v).
-    stream_block_k: a dense decode step (host bounds, one token per sequence)
-      streams the state through [stream_block_k, block_v] tiles in two passes
-      instead of holding it whole (fewer registers, more programs in flight);
-      None: the whole state in registers, as every other call.
     """
 
     block_v: int = 32
     warps: int = 4
     stages: int = 2
     block_v_wide: int | None = None
-    stream_block_k: int | None = None
 
     def __post_init__(self):
-        for name in ("block_v", "block_v_wide", "stream_block_k"):
+        for name in ("block_v", "block_v_wide"):
             value = getattr(self, name)
             if value is not None and (value < 8 or value & (value - 1)):
                 raise ValueError(f"{name}={value} must be a power of two >= 8")
@@ -279,8 +274,7 @@ RECURRENT = {
     # process beside fla's kernel (bench.decode_kernels_torch), 32 x 4 takes
     # 0.269-0.272 ms against fla's 0.271-0.272 and 64 x 4 0.289-0.293; through
     # jit (bench.tune_decode) 0.294 against 0.308-0.317. 32 x 1, 64 x 2 and
-    # 16 x 1 lie between. The two-pass form (stream_block_k) took 0.37-0.83 ms:
-    # off. Spill-free on sm90 at every K (kda_jax.aot).
+    # 16 x 1 lie between. Spill-free on sm90 at every K (kda_jax.aot).
     "sm90": RecurrentConfig(block_v=32, warps=4, stages=2),
     "gfx950": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, warps=2, stages=2),

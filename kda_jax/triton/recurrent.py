@@ -36,19 +36,11 @@ def _pow2(n: int) -> int:
 def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                          config: RecurrentConfig, has_a_log: bool, has_dt_bias: bool,
                          has_initial_state: bool, indexed_state: bool,
-                         uniform_len: int | None = None,
-                         max_len: int | None = None) -> dict:
+                         uniform_len: int | None = None) -> dict:
     """The kernel's constexprs for these shapes, options and config (the one
     place they are derived). ``uniform_len``: every sequence has this many
-    tokens (host bounds; the kernel then loads no bound), None: varlen.
-    ``max_len``: no sequence is longer (None: unbounded); at most 1 lets the
-    two-pass form run (its state is never carried from token to token)."""
+    tokens (host bounds; the kernel then loads no bound), None: varlen."""
     bk = _pow2(max(kd, 16))
-    # Uniform bounds place a token at every sequence: one each, or none
-    # (all empty: the whole-state form, which has no token to load).
-    one_token = uniform_len == 1 or (uniform_len is None and max_len is not None
-                                     and max_len <= 1)
-    stream = config.stream_block_k is not None and one_token
     return dict(
         H=h, HV=hv, K=kd, V=vd,
         BK=bk,
@@ -67,8 +59,6 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         INDEXED_STATE=indexed_state,
         UNIFORM=uniform_len is not None,
         SEQ_LEN=uniform_len or 0,
-        STREAM=stream,
-        BKS=min(config.stream_block_k, bk) if stream else bk,
     )
 
 
@@ -113,7 +103,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
         h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         has_initial_state=initial_state is not None, indexed_state=indexed,
-        uniform_len=meta.uniform_len, max_len=meta.max_len,
+        uniform_len=meta.uniform_len,
     )
     state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
     st = state_pool.kernel_states(pool, initial_state, state_shape, opts.output_final_state)
