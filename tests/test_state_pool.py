@@ -195,6 +195,40 @@ def test_empty_sequences_still_write_their_rows(fn, impl):
     _untouched(new, pool, [0, 1, 3, 4, 5])
 
 
+@pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.skipif(
+    NO_TRITON is not None, reason=f"Triton path unavailable: {NO_TRITON}"))])
+def test_decode_bucket_with_empty_slots_and_padding(impl, check_close):
+    """The serving decode step: a bucket with max_len=1 (bench.serving's), the
+    bounds device data, an empty sequence (its row written back as it was),
+    padded slots (nothing touched) and token rows past the end (o = 0)."""
+    lens = [1, 0, 1, 1, 1]
+    bucket = kda_jax.Bucket(8, 8, max_len=1)
+    batch = kda_jax.VarlenBatch.from_lengths(lens, bucket)
+    x = testing.make_inputs(15, T=bucket.max_tokens, H=H, HV=HV, K=K, V=V, N=len(lens),
+                            with_state=False, raw_gate=True)
+    pool = _pool(16, slots=7)
+    idx = np.array([3, 0, 5, 2, 6, -1, -1, -1], np.int32)
+    kw = dict(use_gate_in_kernel=True, A_log=x.A_log, dt_bias=x.dt_bias,
+              use_beta_sigmoid_in_kernel=True)
+    o, new = jax.jit(lambda pool, batch, *a: kda_jax.fused_recurrent_kda(
+        *a, cu_seqlens=batch, state_cache=pool, state_indices=idx, implementation=impl,
+        **kw))(pool, jax.device_put(batch), *x.args())
+    t = sum(lens)
+    args = [a[:, :t] for a in x.args()]
+    ro, rs = reference.naive_recurrent_kda(*args, cu_seqlens=np.cumsum([0] + lens),
+                                           initial_state=pool[idx[:5]], output_final_state=True,
+                                           **kw)
+    check_close(o[:, :t], ro, "float32", "o")
+    np.testing.assert_array_equal(np.asarray(o[:, t:]), 0)
+    new = np.asarray(new)
+    for i, row in enumerate(idx[:5]):
+        check_close(new[row], rs[i], "float32", "final_state")
+    np.testing.assert_array_equal(new[0], pool[0])  # the empty sequence's row: as it was
+    _untouched(new, pool, [1, 4])  # rows named by no sequence
+    with pytest.raises(ValueError, match=r"longer than the bucket's max_len=1"):
+        kda_jax.VarlenBatch.from_lengths([1, 2], bucket)
+
+
 # (id, keyword changes, error, message)
 x0, _ = _inputs(0, B=3, T=2, with_state=False)
 P0 = _pool(0)
