@@ -44,6 +44,17 @@ def kda_kernels():
     return importlib.import_module("kda_kernels.fused_recurrent")
 
 
+def dense_decode_constexprs(h: int, d: int, bv: int) -> dict:
+    """The kernel's constexprs for bench.serving's dense decode step (one token
+    per sequence, no in-kernel transforms, initial and final state): what
+    kda_jax.triton.recurrent.recurrent_constexprs derives for that call."""
+    return dict(H=h, HV=h, K=d, V=d, BK=d, BV=bv, SCALE=d ** -0.5, USE_L2NORM=False,
+                USE_GATE=False, HAS_A_LOG=False, HAS_DT_BIAS=False, HAS_LOWER_BOUND=False,
+                LOWER_BOUND=0.0, BETA_SIGMOID=False, BETA_SCALE=1.0, USE_INITIAL_STATE=True,
+                STORE_FINAL_STATE=True, STATE_V_FIRST=False, INDEXED_STATE=False,
+                UNIFORM=True, SEQ_LEN=1)
+
+
 def wall_and_event_ms(call, iters=50, repeats=5):
     import torch
 
@@ -91,13 +102,7 @@ def main(argv=None):
             ht = torch.empty((n, h, d, d), device="cuda")
             fr.kda_fused_recurrent_kernel[(d // bv, h, n)](
                 q, k, v, g, beta, dummy_f, dummy_f, h0, dummy_i, dummy_i, dummy_i, 0, n, n, 0,
-                o, ht,
-                H=h, HV=h, K=d, V=d, BK=d, BV=bv, SCALE=d ** -0.5, USE_L2NORM=False,
-                USE_GATE=False, HAS_A_LOG=False, HAS_DT_BIAS=False, HAS_LOWER_BOUND=False,
-                LOWER_BOUND=0.0, BETA_SIGMOID=False, BETA_SCALE=1.0, USE_INITIAL_STATE=True,
-                STORE_FINAL_STATE=True, STATE_V_FIRST=False, INDEXED_STATE=False,
-                UNIFORM=True, SEQ_LEN=1,
-                num_warps=warps, num_stages=2)
+                o, ht, **dense_decode_constexprs(h, d, bv), num_warps=warps, num_stages=2)
             return o, ht
         return call
 
