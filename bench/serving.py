@@ -12,7 +12,8 @@ separately; steady state over --static-sets precompiled sets), and fla's
 chunk_kda with device cu_seqlens and with cu_seqlens_cpu. Decode-only steps:
 256 and 1024 one-token sequences, kda_jax's fused_recurrent_kda (bucketed with
 a pool; static, dense; dense with 8 steps chained in one program, reported
-per step) against fla's fused_recurrent_kda.
+per step) against fla's fused_recurrent_kda: dense, and the serving form (packed
+tokens, device cu_seqlens, a pool updated in place through ssm_state_indices).
 
 Times are wall-clock per step as the host sees it (host metadata build and
 transfer included), the median of --repeats loops of --iters calls; "host ms"
@@ -267,8 +268,36 @@ def fla_child(spec):
         ms, host_ms = wall_ms(call, sync, iters, repeats)
         rows.append(dict(step=f"decode N={n}", implementation=f"fla fused_recurrent dense B={n}",
                          ms=ms, host_ms=host_ms, syncs_per_step=syncs(call)))
+        rows.append(fla_pool_decode(n, (dq, dk, dv, dg, db), sync, iters, repeats, syncs))
     print(json.dumps({"rows": rows, "torch": torch.__version__,
                       "fla": getattr(__import__("fla"), "__version__", "?")}))
+
+
+def fla_pool_decode(n, x, sync, iters, repeats, syncs):
+    """fla's serving decode, the peer of kda_jax's bucketed step with a pool:
+    packed [1, N] tokens, device cu_seqlens, the states read from and written
+    to a pool's rows in place through ssm_state_indices (continuous batching,
+    fla's internal fused_recurrent_kda_fwd: its public function has no pool)."""
+    import torch
+
+    name = "fla fused_recurrent, pool in place (ssm_state_indices)"
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError as e:
+        return dict(step=f"decode N={n}", implementation=name, ms=None, error=str(e))
+    q, k, v, g, beta = (y.reshape((1, n) + y.shape[2:]) for y in x)
+    pool = torch.zeros((n,) + tuple(v.shape[2:3]) + (k.shape[-1], v.shape[-1]), device="cuda")
+    idx = torch.arange(n, device="cuda", dtype=torch.int32)
+    cu = torch.arange(n + 1, device="cuda", dtype=torch.long)
+    call = lambda i: fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool,
+                                             inplace_final_state=True, cu_seqlens=cu,
+                                             ssm_state_indices=idx)
+    try:
+        ms, host_ms = wall_ms(call, sync, iters, repeats)
+    except (TypeError, RuntimeError) as e:  # another fla's internal signature
+        return dict(step=f"decode N={n}", implementation=name, ms=None, error=str(e)[-300:])
+    return dict(step=f"decode N={n}", implementation=name, ms=ms, host_ms=host_ms,
+                syncs_per_step=syncs(call))
 
 
 def fla_rows(a, sets):
