@@ -294,7 +294,7 @@ def fla_pool_decode(n, x, sync, iters, repeats, syncs):
                                              ssm_state_indices=idx)
     try:
         ms, host_ms = wall_ms(call, sync, iters, repeats)
-    except (TypeError, RuntimeError) as e:  # another fla's internal signature
+    except Exception as e:  # noqa: BLE001 - an internal function: a failure costs this row only
         return dict(step=f"decode N={n}", implementation=name, ms=None, error=str(e)[-300:])
     return dict(step=f"decode N={n}", implementation=name, ms=ms, host_ms=host_ms,
                 syncs_per_step=syncs(call))
