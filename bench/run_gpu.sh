@@ -13,9 +13,9 @@
 #   bprofile  the same for forward + backward
 #   tune      bench.tune_forward's grid
 #   dprofile  Nsight Compute per kernel of a dense decode step (N = 256), kda_jax and fla
-#   dtrace    profiler timelines of 20 dense decode steps (N = 256), kda_jax (one
-#             step and 8 chained steps per program) and fla: GPU busy and idle
-#             time per step (bench.trace_decode)
+#   dtrace    profiler timelines of 20 decode steps (N = 256), kda_jax (one
+#             step and 8 chained steps per program) and fla, dense and with a
+#             pool: GPU busy and idle time per step (bench.trace_decode)
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
 #   dtorch    kda_jax's decode kernel and fla's launched from one PyTorch process
@@ -104,12 +104,14 @@ for stage in "$@"; do
           | grep -E "^  [a-zA-Z_]|Duration|DRAM Throughput|Registers|Achieved Occupancy"
       done | tee "$OUT/ncu_decode.log" ;;
     dtrace)
-      for run in "kda_jax 1" "kda_jax 8" "fla 1"; do
-        read -r peer chain <<< "$run"
-        timeout 120 python3 -m bench.trace_decode --peer "$peer" --chain "$chain" \
-          --json "$OUT/trace_decode_${peer}_$chain.json" > "$OUT/trace_decode_${peer}_$chain.log" 2>&1
-        head -12 "$OUT/trace_decode_${peer}_$chain.log"
-      done ;;
+      for run in "kda_jax 1 dense" "kda_jax 8 dense" "fla 1 dense" "kda_jax 1 pool" "fla 1 pool"; do
+        read -r peer chain form <<< "$run"
+        name="trace_decode_${peer}_${form}_$chain"
+        timeout 120 python3 -m bench.trace_decode --peer "$peer" --chain "$chain" --form "$form" \
+          --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        head -12 "$OUT/$name.log"
+      done
+      (cd "$OUT" && tar czf traces.tgz --remove-files trace_decode_*.json) ;;
     source)
       timeout 240 ncu --kernel-name kda_fwd_prepare_kernel --launch-count 1 --set full \
         --import-source yes -o "$OUT/prepare" python3 -m bench.profile_once > "$OUT/ncu_source.log" 2>&1

@@ -1,13 +1,15 @@
-"""Where a dense decode step's time goes on the GPU: a profiler timeline of
+"""Where a decode step's time goes on the GPU: a profiler timeline of
 consecutive steps, summarized as GPU busy and idle time per step.
 
     python -m bench.trace_decode [--n 256] [--steps 20] [--peer kda_jax|fla] [--chain 8]
-        [--json PATH]
+        [--form dense|pool] [--json PATH]
 
 kda_jax (``jax.profiler.trace``) or fla (``torch.profiler``, run it in its own
-process: torch's Triton and jax-triton clash in one) runs ``--steps`` dense
-decode steps of N one-token sequences (H = 32, K = V = 128, bf16 q/k/v, a
-float32 initial and final state), as bench.serving does, under the profiler.
+process: torch's Triton and jax-triton clash in one) runs ``--steps`` decode
+steps of N one-token sequences (H = 32, K = V = 128, bf16 q/k/v), as
+bench.serving does, under the profiler: dense (a float32 initial and final
+state) or the serving form (--form pool: packed tokens, device bounds, a
+float32 pool updated in place; fla's through ssm_state_indices).
 The GPU's activities (kernels, copies, memsets) are read from the exported
 trace and summarized: per step, the time from one step's first activity to the
 next one's, the time the GPU was busy, and the idle gaps; per activity name,
@@ -85,44 +87,84 @@ def _latest_trace(root: str) -> dict:
         return json.load(f)
 
 
-def trace_kda_jax(n: int, h: int, d: int, steps: int, chain: int = 1) -> dict:
+def trace_kda_jax(n: int, h: int, d: int, steps: int, chain: int = 1,
+                  form: str = "dense") -> dict:
     """``steps`` calls of a jitted program of ``chain`` decode steps (each from
-    the last one's states); the summary is per decode step."""
+    the last one's states); the summary is per decode step. ``form``: "dense"
+    ([N, 1] tokens, an initial and a new final state) or "pool" (bench.serving's
+    serving decode: packed [1, N] tokens in a decode bucket, device bounds, a
+    donated pool updated in place)."""
     import jax
     import jax.numpy as jnp
 
     import kda_jax
 
     arrays = make(1, n, h, d, d, seed=1)
-    x = [jnp.asarray(a.reshape((n, 1) + a.shape[2:]), jnp.bfloat16 if i < 3 else jnp.float32)
-         for i, a in enumerate(arrays)]
-    h0 = jnp.zeros((n, h, d, d), jnp.float32)
-    def steps_of(h0, *x):
-        for _ in range(chain):
-            o, h0 = kda_jax.fused_recurrent_kda(*x, initial_state=h0, output_final_state=True)
-        return o, h0
+    dtypes = [jnp.bfloat16] * 3 + [jnp.float32] * 2
+    states = jnp.zeros((n, h, d, d), jnp.float32)
+    if form == "dense":
+        x = [jnp.asarray(a.reshape((n, 1) + a.shape[2:]), t) for a, t in zip(arrays, dtypes)]
 
-    step = jax.jit(steps_of)
-    out = step(h0, *x)
-    jax.block_until_ready(out)
+        def steps_of(h0, *x):
+            for _ in range(chain):
+                o, h0 = kda_jax.fused_recurrent_kda(*x, initial_state=h0, output_final_state=True)
+            return h0
+
+        step = jax.jit(steps_of)
+        call = lambda: step(states, *x)
+    else:
+        x = [jnp.asarray(a, t) for a, t in zip(arrays, dtypes)]
+        batch = jax.device_put(kda_jax.VarlenBatch.from_lengths([1] * n, kda_jax.Bucket(
+            n, n, max_len=1)))
+        idx = jnp.arange(n, dtype=jnp.int32)
+
+        def steps_of(pool, batch, idx, *x):  # the batch an argument: device bounds
+            for _ in range(chain):
+                o, pool = kda_jax.fused_recurrent_kda(*x, cu_seqlens=batch, state_cache=pool,
+                                                      state_indices=idx)
+            return pool
+
+        step = jax.jit(steps_of, donate_argnums=0)
+        held = {"pool": states}
+
+        def call():
+            held["pool"] = step(held["pool"], batch, idx, *x)
+            return held["pool"]
+
+    jax.block_until_ready(call())
     root = tempfile.mkdtemp(prefix="kda_trace_")
     with jax.profiler.trace(root, create_perfetto_trace=True):
         for _ in range(steps):
-            out = step(h0, *x)
+            out = call()
         jax.block_until_ready(out)
     return summarize(gpu_activities(_latest_trace(root)), steps * chain)
 
 
-def trace_fla(n: int, h: int, d: int, steps: int) -> dict:
+def trace_fla(n: int, h: int, d: int, steps: int, form: str = "dense") -> dict:
+    """fla's decode steps under torch.profiler: dense (fused_recurrent_kda with an
+    initial and a final state) or pool (packed tokens, device cu_seqlens, the
+    pool updated in place through ssm_state_indices, as bench.serving's peer)."""
     import torch
-    from fla.ops.kda import fused_recurrent_kda
 
     arrays = make(1, n, h, d, d, seed=1)
-    q, k, v = (torch.tensor(a, device="cuda", dtype=torch.bfloat16).reshape(n, 1, h, d)
-               for a in arrays[:3])
-    g, beta = (torch.tensor(a, device="cuda").reshape((n, 1) + a.shape[2:]) for a in arrays[3:])
-    h0 = torch.zeros((n, h, d, d), device="cuda")
-    call = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    dtypes = [torch.bfloat16] * 3 + [torch.float32] * 2
+    states = torch.zeros((n, h, d, d), device="cuda")
+    if form == "dense":
+        from fla.ops.kda import fused_recurrent_kda
+
+        q, k, v, g, beta = (torch.tensor(a, device="cuda", dtype=t).reshape((n, 1) + a.shape[2:])
+                            for a, t in zip(arrays, dtypes))
+        call = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=states,
+                                           output_final_state=True)
+    else:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        q, k, v, g, beta = (torch.tensor(a, device="cuda", dtype=t) for a, t in zip(arrays, dtypes))
+        idx = torch.arange(n, device="cuda", dtype=torch.int32)
+        cu = torch.arange(n + 1, device="cuda", dtype=torch.long)
+        call = lambda: fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=states,
+                                               inplace_final_state=True, cu_seqlens=cu,
+                                               ssm_state_indices=idx)
     call()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -144,14 +186,19 @@ def main(argv=None):
     p.add_argument("--peer", default="kda_jax", choices=("kda_jax", "fla"))
     p.add_argument("--chain", type=int, default=1,
                    help="kda_jax: decode steps per jitted program (gaps inside one program)")
+    p.add_argument("--form", default="dense", choices=("dense", "pool"),
+                   help="dense [N, 1] steps with states in and out, or the serving decode "
+                   "with a pool updated in place")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    if a.peer == "fla" and a.chain != 1:
+        p.error(f"--chain={a.chain} applies to kda_jax only (fla has no jitted program)")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if a.peer == "kda_jax":
-        summary = trace_kda_jax(a.n, a.heads, a.head_dim, a.steps, a.chain)
+        summary = trace_kda_jax(a.n, a.heads, a.head_dim, a.steps, a.chain, a.form)
     else:
-        summary = trace_fla(a.n, a.heads, a.head_dim, a.steps)
-    result = dict(summary, peer=a.peer, n=a.n, chain=a.chain,
+        summary = trace_fla(a.n, a.heads, a.head_dim, a.steps, a.form)
+    result = dict(summary, peer=a.peer, n=a.n, chain=a.chain, form=a.form,
                   command="python -m bench.trace_decode " + " ".join(
                       argv if argv is not None else sys.argv[1:]))
     print(json.dumps(result, indent=1))
