@@ -34,8 +34,9 @@ class VarlenBatch:
 
     Build it on the host with :meth:`build` (NumPy; no device work), move it
     with ``jax.device_put(batch)`` (one asynchronous transfer of a few
-    hundred bytes), and pass it as ``cu_seqlens=batch`` inside a jitted step
-    that takes the batch as an argument. Then:
+    hundred bytes) or let the jitted step's dispatch copy it (pass the NumPy
+    batch itself; cheaper on the host), and pass it as ``cu_seqlens=batch``
+    inside a jitted step that takes the batch as an argument. Then:
 
     * q, k, v, g, beta are ``[1, bucket.max_tokens, ...]``; rows past the real
       token count belong to no sequence: their o is 0 and they touch no state
