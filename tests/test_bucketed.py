@@ -173,6 +173,32 @@ def test_many_bounds_compile_once_without_reading_back(fn, impl, check_close):
     assert checked == [0, N_BOUND_SETS - 1]
 
 
+def test_a_numpy_batch_goes_to_jit_as_it_is():
+    """The batch passed without device_put (jit's dispatch copies the buffer):
+    one compile over many bounds, no read back, the device_put result."""
+    bucket = Bucket(max_seqs=8, max_tokens=64)
+    def step(pool, idx, batch, *x):
+        return kda_jax.chunk_kda(*x, cu_seqlens=batch, state_cache=pool, state_indices=idx,
+                                 implementation="xla")
+
+    # A NumPy and a device argument are two cache entries: the device_put
+    # comparison runs through its own function.
+    jitted, jitted_put = jax.jit(step), jax.jit(lambda *a: step(*a))
+    pool, idx = _pool(7), np.arange(bucket.max_seqs, dtype=np.int32)
+    x = [jax.device_put(a) for a in testing.make_inputs(
+        8, T=bucket.max_tokens, H=H, HV=HV, K=K, V=V).args()]
+    for lens in _rotating_lengths(4, bucket):
+        batch = VarlenBatch.from_lengths(lens, bucket)
+        assert isinstance(batch.metadata, np.ndarray)
+        with jax.transfer_guard_device_to_host("disallow"):
+            o, new = jitted(pool, idx, batch, *x)
+            jax.block_until_ready(new)
+        o_put, new_put = jitted_put(pool, idx, jax.device_put(batch), *x)
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(o_put))
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(new_put))
+    assert jitted._cache_size() == 1
+
+
 @pytest.mark.parametrize("fn", FNS)
 def test_program_does_not_depend_on_the_bounds(fn):
     """Two bounds of one bucket give the same jaxpr, and it holds no bounds-sized constant."""
