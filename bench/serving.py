@@ -273,26 +273,30 @@ def fla_child(spec):
                       "fla": getattr(__import__("fla"), "__version__", "?")}))
 
 
-def fla_pool_decode(n, x, sync, iters, repeats, syncs):
+def fla_pool_decode_call(q, k, v, g, beta):
     """fla's serving decode, the peer of kda_jax's bucketed step with a pool:
-    packed [1, N] tokens, device cu_seqlens, the states read from and written
-    to a pool's rows in place through ssm_state_indices (continuous batching,
-    fla's internal fused_recurrent_kda_fwd: its public function has no pool)."""
+    a no-argument call over packed [1, N] one-token sequences with device
+    cu_seqlens, the states read from and written to a pool's rows in place
+    through ssm_state_indices (continuous batching, fla's internal
+    fused_recurrent_kda_fwd: its public function has no pool)."""
     import torch
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    name = "fla fused_recurrent, pool in place (ssm_state_indices)"
-    try:
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    except ImportError as e:
-        return dict(step=f"decode N={n}", implementation=name, ms=None, error=str(e))
-    q, k, v, g, beta = (y.reshape((1, n) + y.shape[2:]) for y in x)
-    pool = torch.zeros((n,) + tuple(v.shape[2:3]) + (k.shape[-1], v.shape[-1]), device="cuda")
+    n = q.shape[1]
+    pool = torch.zeros((n, v.shape[2], k.shape[-1], v.shape[-1]), device="cuda")
     idx = torch.arange(n, device="cuda", dtype=torch.int32)
     cu = torch.arange(n + 1, device="cuda", dtype=torch.long)
-    call = lambda i: fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool,
-                                             inplace_final_state=True, cu_seqlens=cu,
-                                             ssm_state_indices=idx)
+    return lambda: fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool,
+                                           inplace_final_state=True, cu_seqlens=cu,
+                                           ssm_state_indices=idx)
+
+
+def fla_pool_decode(n, x, sync, iters, repeats, syncs):
+    """bench.serving's row of :func:`fla_pool_decode_call` (x: [N, 1, ...] inputs)."""
+    name = "fla fused_recurrent, pool in place (ssm_state_indices)"
     try:
+        step = fla_pool_decode_call(*(y.reshape((1, n) + y.shape[2:]) for y in x))
+        call = lambda i: step()
         ms, host_ms = wall_ms(call, sync, iters, repeats)
     except Exception as e:  # noqa: BLE001 - an internal function: a failure costs this row only
         return dict(step=f"decode N={n}", implementation=name, ms=None, error=str(e)[-300:])

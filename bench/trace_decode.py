@@ -157,14 +157,10 @@ def trace_fla(n: int, h: int, d: int, steps: int, form: str = "dense") -> dict:
         call = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=states,
                                            output_final_state=True)
     else:
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        from bench.serving import fla_pool_decode_call
 
-        q, k, v, g, beta = (torch.tensor(a, device="cuda", dtype=t) for a, t in zip(arrays, dtypes))
-        idx = torch.arange(n, device="cuda", dtype=torch.int32)
-        cu = torch.arange(n + 1, device="cuda", dtype=torch.long)
-        call = lambda: fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=states,
-                                               inplace_final_state=True, cu_seqlens=cu,
-                                               ssm_state_indices=idx)
+        call = fla_pool_decode_call(*(torch.tensor(a, device="cuda", dtype=t)
+                                      for a, t in zip(arrays, dtypes)))
     call()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

@@ -40,10 +40,9 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     """The kernel's constexprs for these shapes, options and config (the one
     place they are derived). ``uniform_len``: every sequence has this many
     tokens (host bounds; the kernel then loads no bound), None: varlen."""
-    bk = _pow2(max(kd, 16))
     return dict(
         H=h, HV=hv, K=kd, V=vd,
-        BK=bk,
+        BK=_pow2(max(kd, 16)),
         BV=min(_pow2(max(vd, 8)), config.block_v if kd <= 128 or config.block_v_wide is None
                else config.block_v_wide),
         SCALE=float(opts.scale),
