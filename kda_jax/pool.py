@@ -18,10 +18,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-__all__ = ["StatePool", "read_index", "read_states", "write_states", "gather_run_scatter",
-           "KernelStates", "kernel_states"]
+__all__ = ["StatePool", "read_index", "read_states", "write_states", "gather_run_scatter"]
 
 
 class StatePool(NamedTuple):
@@ -75,33 +73,3 @@ def gather_run_scatter(forward, pool: StatePool, q, k, v, g, beta, A_log, dt_bia
     opts = dataclasses.replace(opts, output_final_state=True)
     o, finals = forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts, **kwargs)
     return o, write_states(pool, finals)
-
-
-class KernelStates(NamedTuple):
-    """The state arguments of a Triton kernel that reads initial and writes
-    final states (kernels/state_io.py): ``h0, read_idx, write_idx, slots``,
-    the state output's shape, and whether that output is h0's buffer (a pool,
-    aliased) or a fresh array."""
-
-    h0: jax.Array
-    read_idx: jax.Array
-    write_idx: jax.Array
-    slots: int
-    ht_shape: tuple
-    aliased: bool
-
-
-def kernel_states(pool: StatePool | None, initial_state, state_shape: tuple,
-                  output_final_state: bool) -> KernelStates:
-    """With a pool: the pool itself, its read and write indices, aliased to the
-    output. Without: the initial state (or a stand-in) and a fresh
-    ``state_shape`` output (a stand-in without ``output_final_state``)."""
-    # NumPy zeros are constants of the program (jnp.zeros would launch a kernel).
-    stand_in = jnp.asarray(np.zeros((4,), np.float32))
-    no_index = jnp.asarray(np.zeros((4,), np.int32))
-    if pool is not None:
-        return KernelStates(pool.cache, read_index(pool), pool.indices, pool.cache.shape[0],
-                            tuple(pool.cache.shape), True)
-    h0 = stand_in if initial_state is None else initial_state.astype(jnp.float32)
-    return KernelStates(h0, no_index, no_index, 0,
-                        tuple(state_shape) if output_final_state else (4,), False)

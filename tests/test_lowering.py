@@ -27,6 +27,7 @@ import pytest
 from kda_jax import configs
 from kda_jax.bounds import SeqBounds, packed_metadata
 from kda_jax.triton import compat
+from kda_jax.triton.launch import stand_in
 
 BOUNDS = [0, 1, 1, 17, 40]  # a length-1 and an empty sequence; T = 40
 SHAPES = dict(T=40, H=2, K=64, V=64)
@@ -190,8 +191,8 @@ def test_kernels_compiled_for_the_target(lowered, arch):
 @pytest.mark.parametrize("arch", list(TARGETS))
 def test_varlen_metadata_is_one_int32_constant(lowered, arch):
     expected = packed_metadata(SeqBounds(np.array(BOUNDS)), 64).buffer.tolist()
-    stand_in = [0, 0, 0, 0]  # launch.stand_in for an index pointer no kernel reads
-    assert [c for c in lowered[arch]["i32_constants"] if c != stand_in] == [expected]
+    unread = np.asarray(stand_in(np.int32)).tolist()  # an index pointer no kernel reads
+    assert [c for c in lowered[arch]["i32_constants"] if c != unread] == [expected]
 
 
 @pytest.mark.parametrize("arch", list(TARGETS))
@@ -199,6 +200,33 @@ def test_no_xla_kernel_around_the_triton_kernels(lowered, arch):
     # Stand-in arguments are constants of the program: a jnp.zeros there was a
     # kernel launch of its own per call (seen around the decode kernel).
     assert "stablehlo.broadcast_in_dim" not in lowered[arch]["ops"]
+
+
+def _optimized_hlo(constant) -> str:
+    """XLA's optimized program (this machine's backend) of a call that takes
+    ``constant`` as an operand, as a kernel's pointer argument is taken."""
+    import jax
+
+    def step():
+        return jax.pure_callback(lambda c: np.zeros((), np.float32),
+                                 jax.ShapeDtypeStruct((), np.float32), constant)
+
+    return jax.jit(step).lower().compile().as_text()
+
+
+def test_stand_ins_stay_literals_after_xla_optimizes():
+    # XLA's simplifier turns a constant whose elements are all equal into a
+    # broadcast (and arange-like values into an iota): on the GPU, a kernel
+    # launch per call beside the Triton kernel, which the StableHLO check above
+    # cannot see. The stand-ins must reach the call as literals.
+    for dtype in (np.float32, np.int32):
+        text = _optimized_hlo(stand_in(dtype))
+        assert re.search(r"constant\(\{1, 0, 0, 0\}\)", text), text
+        assert not re.search(r"broadcast|iota", text), text
+    # The check fails on the kinds of constant it guards against.
+    import jax.numpy as jnp
+
+    assert re.search(r"broadcast", _optimized_hlo(jnp.asarray(np.zeros(4, np.float32))))
 
 
 def test_wave32_launcher_warps():

@@ -20,6 +20,7 @@ from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import DOT_MODES, ForwardConfig
 from kda_jax.options import KdaOptions
+from kda_jax.triton.state_args import kernel_states
 from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
 
 __all__ = ["KernelLaunch", "chunk_kda_triton", "forward_launches", "split_state_k", "work_dtype"]
@@ -194,7 +195,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
             **prep.constexprs,
         )
 
-    st = state_pool.kernel_states(pool, initial_state, state_shape, opts.output_final_state)
+    st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
     o, ht = launch(
         getattr(mod, state.kernel),
         w, u, qg, kt, aqk, gl, st.h0, st.read_idx, st.write_idx,

@@ -23,11 +23,13 @@ __all__ = ["interpret_mode", "available", "unavailable_reason", "kernels", "laun
 
 
 def stand_in(dtype=np.float32) -> jax.Array:
-    """Four zeros for a pointer argument the kernel leaves unread (an absent
-    A_log, initial state, index...). Made from NumPy, it is a constant of the
-    compiled program; ``jnp.zeros`` would be a kernel launch per call (two such
-    launches showed around the decode kernel on the H200)."""
-    return jnp.asarray(np.zeros((4,), dtype))
+    """Four values for a pointer argument the kernel leaves unread (an absent
+    A_log, initial state, index...), a literal of the compiled program. Not
+    all equal, on purpose: XLA rewrites a constant whose elements are all equal
+    (``np.zeros`` as much as ``jnp.zeros``) into a broadcast, and a broadcast
+    is a kernel launch per call (two showed beside the decode kernel on the
+    H200); arange-like values become an iota launch the same way."""
+    return jnp.asarray(np.array([1, 0, 0, 0], dtype))
 
 
 def interpret_mode() -> bool:

@@ -17,6 +17,7 @@ from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
+from kda_jax.triton.state_args import kernel_states
 from kda_jax.triton.launch import kernels, launch, stand_in
 
 __all__ = ["KERNEL", "recurrent_constexprs", "fused_recurrent_kda_triton"]
@@ -105,7 +106,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
         uniform_len=meta.uniform_len,
     )
     state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
-    st = state_pool.kernel_states(pool, initial_state, state_shape, opts.output_final_state)
+    st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
 
     o, ht = launch(
         getattr(kernels("fused_recurrent"), KERNEL),
