@@ -15,7 +15,8 @@
 #   dprofile  Nsight Compute per kernel of a dense decode step (N = 256), kda_jax and fla
 #   dtrace    profiler timelines of 20 decode steps (N = 256), kda_jax (one
 #             step and 8 chained steps per program) and fla, dense and with a
-#             pool: GPU busy and idle time per step (bench.trace_decode)
+#             pool, and kda_jax's serving bounds without a pool: GPU busy and
+#             idle time per step (bench.trace_decode)
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
 #   dtorch    kda_jax's decode kernel and fla's launched from one PyTorch process
@@ -104,7 +105,8 @@ for stage in "$@"; do
           | grep -E "^  [a-zA-Z_]|Duration|DRAM Throughput|Registers|Achieved Occupancy"
       done | tee "$OUT/ncu_decode.log" ;;
     dtrace)
-      for run in "kda_jax 1 dense" "kda_jax 8 dense" "fla 1 dense" "kda_jax 1 pool" "fla 1 pool"; do
+      for run in "kda_jax 1 dense" "kda_jax 8 dense" "fla 1 dense" "kda_jax 1 pool" "fla 1 pool" \
+                 "kda_jax 1 varlen"; do
         read -r peer chain form <<< "$run"
         name="trace_decode_${peer}_${form}_$chain"
         timeout 120 python3 -m bench.trace_decode --peer "$peer" --chain "$chain" --form "$form" \

@@ -9,7 +9,8 @@ process: torch's Triton and jax-triton clash in one) runs ``--steps`` decode
 steps of N one-token sequences (H = 32, K = V = 128, bf16 q/k/v), as
 bench.serving does, under the profiler: dense (a float32 initial and final
 state) or the serving form (--form pool: packed tokens, device bounds, a
-float32 pool updated in place; fla's through ssm_state_indices).
+float32 pool updated in place; fla's through ssm_state_indices), or for
+kda_jax the serving decode's bounds with dense states (--form varlen).
 The GPU's activities (kernels, copies, memsets) are read from the exported
 trace and summarized: per step, the time from one step's first activity to the
 next one's, the time the GPU was busy, and the idle gaps; per activity name,
@@ -93,7 +94,8 @@ def trace_kda_jax(n: int, h: int, d: int, steps: int, chain: int = 1,
     the last one's states); the summary is per decode step. ``form``: "dense"
     ([N, 1] tokens, an initial and a new final state) or "pool" (bench.serving's
     serving decode: packed [1, N] tokens in a decode bucket, device bounds, a
-    donated pool updated in place)."""
+    donated pool updated in place) or "varlen" (the same tokens and bounds, the
+    states in and out as in "dense": what the pool itself costs)."""
     import jax
     import jax.numpy as jnp
 
@@ -118,18 +120,28 @@ def trace_kda_jax(n: int, h: int, d: int, steps: int, chain: int = 1,
             n, n, max_len=1)))
         idx = jnp.arange(n, dtype=jnp.int32)
 
-        def steps_of(pool, batch, idx, *x):  # the batch an argument: device bounds
-            for _ in range(chain):
-                o, pool = kda_jax.fused_recurrent_kda(*x, cu_seqlens=batch, state_cache=pool,
-                                                      state_indices=idx)
-            return pool
+        if form == "varlen":  # the serving decode's bounds, dense states in and out
+            def steps_of(h0, batch, *x):
+                for _ in range(chain):
+                    o, h0 = kda_jax.fused_recurrent_kda(*x, cu_seqlens=batch, initial_state=h0,
+                                                        output_final_state=True)
+                return h0
 
-        step = jax.jit(steps_of, donate_argnums=0)
-        held = {"pool": states}
+            step = jax.jit(steps_of)
+            call = lambda: step(states, batch, *x)
+        else:
+            def steps_of(pool, batch, idx, *x):  # the batch an argument: device bounds
+                for _ in range(chain):
+                    o, pool = kda_jax.fused_recurrent_kda(*x, cu_seqlens=batch, state_cache=pool,
+                                                          state_indices=idx)
+                return pool
 
-        def call():
-            held["pool"] = step(held["pool"], batch, idx, *x)
-            return held["pool"]
+            step = jax.jit(steps_of, donate_argnums=0)
+            held = {"pool": states}
+
+            def call():
+                held["pool"] = step(held["pool"], batch, idx, *x)
+                return held["pool"]
 
     jax.block_until_ready(call())
     root = tempfile.mkdtemp(prefix="kda_trace_")
@@ -182,13 +194,17 @@ def main(argv=None):
     p.add_argument("--peer", default="kda_jax", choices=("kda_jax", "fla"))
     p.add_argument("--chain", type=int, default=1,
                    help="kda_jax: decode steps per jitted program (gaps inside one program)")
-    p.add_argument("--form", default="dense", choices=("dense", "pool"),
-                   help="dense [N, 1] steps with states in and out, or the serving decode "
-                   "with a pool updated in place")
+    p.add_argument("--form", default="dense", choices=("dense", "pool", "varlen"),
+                   help="dense [N, 1] steps with states in and out, the serving decode "
+                   "with a pool updated in place, or (kda_jax) the serving decode's "
+                   "bounds with states in and out (no pool)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.peer == "fla" and a.chain != 1:
         p.error(f"--chain={a.chain} applies to kda_jax only (fla has no jitted program)")
+    if a.peer == "fla" and a.form == "varlen":
+        p.error("--form=varlen applies to kda_jax only (it splits kda_jax's pool decode "
+                "into its bounds and its pool)")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if a.peer == "kda_jax":
         summary = trace_kda_jax(a.n, a.heads, a.head_dim, a.steps, a.chain, a.form)

@@ -41,12 +41,17 @@ def test_an_empty_trace_is_named():
     assert trace_decode.summarize([], steps=3) == {"error": "no GPU activity in the trace"}
 
 
-@pytest.mark.parametrize("steps", [2])
-def test_kda_jax_trace_runs_on_the_host(steps):
+@pytest.mark.parametrize("form", ["dense", "pool", "varlen"])
+def test_kda_jax_trace_runs_on_the_host(form):
     import jax
 
     if jax.default_backend() != "cpu":
         pytest.skip("on a GPU the trace has device activity (the GPU stage reads it)")
     # On a CPU the trace holds host events only: the summary says so.
-    out = trace_decode.trace_kda_jax(4, 2, 16, steps)
+    out = trace_decode.trace_kda_jax(4, 2, 16, steps=2, chain=2, form=form)
     assert out == {"error": "no GPU activity in the trace"}
+
+
+def test_varlen_form_is_kda_jax_only():
+    with pytest.raises(SystemExit):
+        trace_decode.main(["--peer", "fla", "--form", "varlen"])
