@@ -85,7 +85,13 @@ def kda_fused_recurrent_kernel(
     else:
         bos = tl.load(meta + off_cu + i_n)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    if V % BV == 0:
+        # Every lane is in range, but the compiler cannot tell from the grid:
+        # a mask known true lets the state's loads and stores go unpredicated
+        # at constant offsets from one address.
+        m_v = tl.full([BV], 1, tl.int1)
+    else:
+        m_v = o_v < V
     if i_n < n_seqs:
         _recurrent_sequence(
             q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
