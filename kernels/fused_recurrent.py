@@ -85,13 +85,7 @@ def kda_fused_recurrent_kernel(
     else:
         bos = tl.load(meta + off_cu + i_n)
     o_v = i_v * BV + tl.arange(0, BV)
-    if V % BV == 0:
-        # Every lane is in range, but the compiler cannot tell from the grid:
-        # a mask known true lets the state's loads and stores go unpredicated
-        # at constant offsets from one address.
-        m_v = tl.full([BV], 1, tl.int1)
-    else:
-        m_v = o_v < V
+    m_v = o_v < V
     if i_n < n_seqs:
         _recurrent_sequence(
             q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
@@ -147,17 +141,21 @@ def _recurrent_sequence(
         if HAS_DT_BIAS:
             b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
 
-    for i_t in range(bos, eos):
-        # Each token's offsets from its row (int64: T * HV * K can pass 2^31),
-        # not pointers carried through the loop: carried pointer tiles held
-        # registers for the whole loop (96 against 80 on sm90 for a pool
-        # decode, one block less per SM; so did a loop from 0 with bos added).
-        r = tl.cast(i_t, tl.int64)
-        b_q = tl.load(q + (r * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_k = tl.load(k + (r * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_v = tl.load(v + (r * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
-        b_g = tl.load(g + (r * HV + i_hv) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_beta = tl.load(beta + r * HV + i_hv).to(tl.float32)
+    # Row pointers of the first token; int64 because T * HV * K can pass 2^31.
+    t0 = bos.to(tl.int64)
+    p_q = q + (t0 * H + i_h) * K + o_k
+    p_k = k + (t0 * H + i_h) * K + o_k
+    p_g = g + (t0 * HV + i_hv) * K + o_k
+    p_b = beta + t0 * HV + i_hv
+    p_v = v + (t0 * HV + i_hv) * V + o_v
+    p_o = o + (t0 * HV + i_hv) * V + o_v
+
+    for _ in range(0, eos - bos):
+        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        b_g = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)
+        b_beta = tl.load(p_b).to(tl.float32)
         if USE_L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
@@ -171,8 +169,14 @@ def _recurrent_sequence(
         b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
         b_h += b_k[:, None] * b_v[None, :]
         b_o = tl.sum(b_h * b_q[:, None], axis=0) * SCALE
-        p_o = o + (r * HV + i_hv) * V + o_v
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+
+        p_q += H * K
+        p_k += H * K
+        p_g += HV * K
+        p_b += HV
+        p_v += HV * V
+        p_o += HV * V
 
     store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
                     INDEXED_STATE)

@@ -3,8 +3,8 @@ chunked state kernel and the decode kernel.
 
 States are [N, HV, K, V] (or V-first [N, HV, V, K]); with INDEXED_STATE they
 are the rows of a pool, read at read_idx[n] and written at write_idx[n], and
-an index outside [0, slots) reads zeros and writes nothing: the read is
-masked off and the write is skipped, so such a row is never touched.
+an index outside [0, slots) reads zeros and writes nothing. The index is a
+branch, not a mask: a row that is not read is never touched.
 """
 
 import triton
@@ -54,16 +54,10 @@ def load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr, K: t
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         if INDEXED_STATE:
-            # A mask, not a branch: a tile loaded inside a branch is waited
-            # for where the branch joins, before the token loads are issued
-            # (measured on the H200: a 256-sequence pool decode took 343 us
-            # against 271 for the dense one). A masked-off row is not read.
             i_r = tl.load(read_idx + i_n)
-            m_r = (i_r >= 0) & (i_r < slots)
-            p_h0 = h0 + (tl.where(m_r, i_r, 0).to(tl.int64) * HV + i_hv) * K * V
-            # (tl.where, not m_kv & m_r: Triton's interpreter rejects a mask
-            # made with a scalar by &.)
-            b_h = tl.load(p_h0 + o_s, mask=tl.where(m_r, m_kv, False), other=0.).to(tl.float32)
+            if (i_r >= 0) & (i_r < slots):
+                p_h0 = h0 + (i_r.to(tl.int64) * HV + i_hv) * K * V
+                b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
         else:
             p_h0 = h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V
             b_h = tl.load(p_h0 + o_s, mask=m_kv, other=0.).to(tl.float32)
