@@ -20,7 +20,10 @@
 #   source    Nsight Compute source-level stall samples of the prepare kernel
 #   decode    bench.tune_decode's grid
 #   dtorch    kda_jax's decode kernel and fla's launched from one PyTorch process
-#             (bench.decode_kernels_torch): the kernel's time without JAX's runtime
+#             (bench.decode_kernels_torch): the kernel's time without JAX's runtime;
+#             DTORCH_FORM=pool for the serving decode, DTORCH_VARIANTS="NAME=DIR,..."
+#             for other kernels directories in the same run (carry them, e.g.
+#             .variants/<commit>/kernels from `git archive <commit> kernels`)
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
@@ -127,6 +130,7 @@ for stage in "$@"; do
         | grep -v Warning | tail -14 ;;
     dtorch)
       timeout 150 python3 -m bench.decode_kernels_torch ${DECODE_CONFIGS:+--configs "$DECODE_CONFIGS"} \
+        ${DTORCH_FORM:+--form "$DTORCH_FORM"} ${DTORCH_VARIANTS:+--variants "$DTORCH_VARIANTS"} \
         --json "$OUT/decode_kernels_torch.json" > "$OUT/decode_kernels_torch.log" 2>&1
       grep -v Warning "$OUT/decode_kernels_torch.log" | tail -12 ;;
     tuneb)
