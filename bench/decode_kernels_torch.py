@@ -129,11 +129,11 @@ def main(argv=None):
         """A fresh step: its own zero states (a pool updated in place by each call)."""
         consts = decode_constexprs(h, d, bv, a.form)
         h0 = torch.zeros((n, h, d, d), device="cuda")
+        meta, idx, slots = (cu, rows_idx, n) if pool else (dummy_i, dummy_i, 0)
 
         def call():
             o = torch.empty((n, h, d), device="cuda", dtype=torch.bfloat16)
             ht = h0 if pool else torch.empty((n, h, d, d), device="cuda")
-            meta, idx, slots = (cu, rows_idx, n) if pool else (dummy_i, dummy_i, 0)
             kernel[(d // bv, h, n)](
                 q, k, v, g, beta, dummy_f, dummy_f, h0, idx, idx, meta, 0, n, n, slots,
                 o, ht, **consts, num_warps=warps, num_stages=2)

@@ -20,8 +20,8 @@ from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import DOT_MODES, ForwardConfig
 from kda_jax.options import KdaOptions
-from kda_jax.triton.state_args import kernel_states
 from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
+from kda_jax.triton.state_args import kernel_states
 
 __all__ = ["KernelLaunch", "chunk_kda_triton", "forward_launches", "split_state_k", "work_dtype"]
 

@@ -17,8 +17,8 @@ from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
-from kda_jax.triton.state_args import kernel_states
 from kda_jax.triton.launch import kernels, launch, stand_in
+from kda_jax.triton.state_args import kernel_states
 
 __all__ = ["KERNEL", "recurrent_constexprs", "fused_recurrent_kda_triton"]
 
