@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -49,7 +50,7 @@ def kda_kernels(directory: str = KERNELS_DIR, name: str = "kda_kernels"):
     return importlib.import_module(f"{name}.fused_recurrent")
 
 
-def decode_constexprs(h: int, d: int, bv: int, form: str = "dense") -> dict:
+def decode_constexprs(h: int, d: int, bv: int, form: str = "dense", stages: int = 2) -> dict:
     """The kernel's constexprs for bench.serving's decode step (one token per
     sequence, no in-kernel transforms, initial and final state): what
     kda_jax.triton.recurrent.recurrent_constexprs derives for the dense call
@@ -61,7 +62,14 @@ def decode_constexprs(h: int, d: int, bv: int, form: str = "dense") -> dict:
                 USE_GATE=False, HAS_A_LOG=False, HAS_DT_BIAS=False, HAS_LOWER_BOUND=False,
                 LOWER_BOUND=0.0, BETA_SIGMOID=False, BETA_SCALE=1.0, USE_INITIAL_STATE=True,
                 STORE_FINAL_STATE=True, STATE_V_FIRST=False, INDEXED_STATE=pool,
-                UNIFORM=not pool, SEQ_LEN=0 if pool else 1)
+                UNIFORM=not pool, SEQ_LEN=0 if pool else 1, LOOP_STAGES=stages)
+
+
+def kernel_constexprs(kernel, consts: dict) -> dict:
+    """``consts`` less those ``kernel`` does not take: a variant from a past
+    commit may predate a constexpr (LOOP_STAGES came in session 10)."""
+    names = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+    return {k: x for k, x in consts.items() if k in names}
 
 
 def variants_of(text: str | None) -> dict:
@@ -127,7 +135,7 @@ def main(argv=None):
 
     def ours(kernel, bv, warps):
         """A fresh step: its own zero states (a pool updated in place by each call)."""
-        consts = decode_constexprs(h, d, bv, a.form)
+        consts = kernel_constexprs(kernel, decode_constexprs(h, d, bv, a.form))
         h0 = torch.zeros((n, h, d, d), device="cuda")
         meta, idx, slots = (cu, rows_idx, n) if pool else (dummy_i, dummy_i, 0)
 

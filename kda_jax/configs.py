@@ -244,7 +244,9 @@ class RecurrentConfig:
 
     block_v: V block; the program's state tile is [K (padded), block_v] fp32
       in registers, and smaller blocks give more programs to small batches.
-    warps / stages: num_warps / num_stages.
+    warps: num_warps.
+    stages: num_stages, and the software-pipelining depth of the token loop
+      (its next token's loads issued before this token's update).
     block_v_wide: the V block past K = 128, where the tile is twice as tall
       (None: block_v).
     """

@@ -61,3 +61,14 @@ def test_the_kernel_loads_without_kda_jax_and_takes_those_arguments():
     assert constexprs == {n for n, p in params.items() if p.annotation is tl.constexpr}
     # 17 positional arguments: 15 inputs and scalars, then o and ht.
     assert names[:17][-2:] == ["o", "ht"] and len(names) - len(constexprs) == 17
+
+
+def test_a_variant_from_before_a_constexpr_gets_only_its_own():
+    def old_kernel(q, k, H: tl.constexpr, SEQ_LEN: tl.constexpr):  # no LOOP_STAGES
+        pass
+
+    consts = bench_torch.decode_constexprs(4, 16, 16)
+    assert consts["LOOP_STAGES"] == 2
+    assert bench_torch.kernel_constexprs(old_kernel, consts) == {"H": 4, "SEQ_LEN": 1}
+    kernel = bench_torch.kda_kernels().kda_fused_recurrent_kernel
+    assert bench_torch.kernel_constexprs(kernel, consts) == consts

@@ -59,6 +59,7 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         INDEXED_STATE=indexed_state,
         UNIFORM=uniform_len is not None,
         SEQ_LEN=uniform_len or 0,
+        LOOP_STAGES=config.stages,
     )
 
 
