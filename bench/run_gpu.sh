@@ -24,6 +24,8 @@
 #             DTORCH_FORM=pool for the serving decode, DTORCH_VARIANTS="NAME=DIR,..."
 #             for other kernels directories in the same run (carry them, e.g.
 #             .variants/<commit>/kernels from `git archive <commit> kernels`)
+#   drounds   bench.decode_rounds: the decode step (N = 256) and fla's taking
+#             turns, kda_jax here and fla in a child kept alive (ROUNDS rounds)
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
@@ -133,6 +135,10 @@ for stage in "$@"; do
         ${DTORCH_FORM:+--form "$DTORCH_FORM"} ${DTORCH_VARIANTS:+--variants "$DTORCH_VARIANTS"} \
         --json "$OUT/decode_kernels_torch.json" > "$OUT/decode_kernels_torch.log" 2>&1
       grep -v Warning "$OUT/decode_kernels_torch.log" | tail -12 ;;
+    drounds)
+      timeout 240 python3 -m bench.decode_rounds --rounds "${ROUNDS:-8}" \
+        --json "$OUT/decode_rounds.json" > "$OUT/decode_rounds.log" 2>&1
+      grep -v Warning "$OUT/decode_rounds.log" | tail -6 ;;
     tuneb)
       timeout 300 python3 -m bench.tune_backward ${GRID:+--grid "$GRID"} --json "$OUT/tune_backward.json" 2>&1 \
         | grep -v Warning | tail -8 ;;

@@ -162,6 +162,26 @@ def kda_rows(a, sets):
         compiles=static._cache_size(), sets=len(static_bounds))
 
     # Decode only: one token per sequence, packed [1, N] (bucketed) or dense [N, 1].
+    for n in DECODE_SIZES:
+        for name, (call, sync, per) in kda_decode_steps(n, h, d, impl).items():
+            run(f"kda_jax {impl} fused_recurrent {name}", call, sync, f"decode N={n}",
+                **({"steps_per_call": per} if per > 1 else {}))
+    return rows
+
+
+def kda_decode_steps(n, h, d, impl="triton"):
+    """kda_jax's decode steps of ``n`` one-token sequences (H = ``h``, K = V = ``d``,
+    bf16 q/k/v, zero float32 states): {name: (call(i), sync(), steps per call)}.
+    "bucketed + pool": packed [1, N] tokens, the batch built on the host and
+    moved by jax.device_put (", host batch": passed as NumPy), a pool donated
+    and updated in place; "dense": [N, 1] tokens, a float32 initial and final
+    state; ", 8 in one jit": 8 chained steps per program (as a model's layers
+    share one), timed per step."""
+    import jax
+    import jax.numpy as jnp
+
+    import kda_jax
+
     decode = jax.jit(lambda pool, batch, idx, *x: kda_jax.fused_recurrent_kda(
         *x, cu_seqlens=batch, state_cache=pool, state_indices=idx, implementation=impl),
         donate_argnums=0)
@@ -177,31 +197,26 @@ def kda_rows(a, sets):
 
     dense = jax.jit(dense_steps)
     dense8 = jax.jit(functools.partial(dense_steps, steps=8))
-    for n in DECODE_SIZES:
-        arrays = make(1, n, h, d, d, seed=1)
-        dx = tuple(jnp.asarray(y, jnp.bfloat16 if i < 3 else jnp.float32)
-                   for i, y in enumerate(arrays))
-        dbucket, ones = kda_jax.Bucket(n, n, max_len=1), [1] * n  # a decode bucket
-        didx, dh0 = jnp.arange(n, dtype=jnp.int32), jnp.zeros((n, h, d, d), jnp.float32)
-        dstate = {"pool": jnp.zeros((n, h, d, d), jnp.float32)}
+    arrays = make(1, n, h, d, d, seed=1)
+    dx = tuple(jnp.asarray(y, jnp.bfloat16 if i < 3 else jnp.float32)
+               for i, y in enumerate(arrays))
+    dbucket, ones = kda_jax.Bucket(n, n, max_len=1), [1] * n  # a decode bucket
+    didx, dh0 = jnp.arange(n, dtype=jnp.int32), jnp.zeros((n, h, d, d), jnp.float32)
+    state = {"pool": jnp.zeros((n, h, d, d), jnp.float32)}
 
-        def call_decode(i, dx=dx, dstate=dstate, dbucket=dbucket, ones=ones, didx=didx,
-                        put=jax.device_put):
-            batch = put(kda_jax.VarlenBatch.from_lengths(ones, dbucket))
-            dstate["o"], dstate["pool"] = decode(dstate["pool"], batch, didx, *dx)
+    def call_decode(i, put=jax.device_put):
+        batch = put(kda_jax.VarlenBatch.from_lengths(ones, dbucket))
+        state["o"], state["pool"] = decode(state["pool"], batch, didx, *dx)
 
-        sync = lambda dstate=dstate: jax.block_until_ready(dstate["pool"])
-        run(f"kda_jax {impl} fused_recurrent bucketed + pool, host batch",
-            functools.partial(call_decode, put=lambda b: b), sync, f"decode N={n}")
-        run(f"kda_jax {impl} fused_recurrent bucketed + pool", call_decode, sync,
-            f"decode N={n}")
-        run(f"kda_jax {impl} fused_recurrent dense B={n}",
-            lambda i, dx=dx, dh0=dh0, dstate=dstate: dstate.update(pool=dense(dh0, *dx)[1]),
-            sync, f"decode N={n}")
-        run(f"kda_jax {impl} fused_recurrent dense B={n}, 8 in one jit",
-            lambda i, dx=dx, dh0=dh0, dstate=dstate: dstate.update(pool=dense8(dh0, *dx)[1]),
-            sync, f"decode N={n}", steps_per_call=8)
-    return rows
+    sync = lambda: jax.block_until_ready(state["pool"])
+    sync_dense = lambda: jax.block_until_ready(state.get("ht"))
+    return {
+        "bucketed + pool, host batch": (functools.partial(call_decode, put=lambda b: b), sync, 1),
+        "bucketed + pool": (call_decode, sync, 1),
+        f"dense B={n}": (lambda i: state.update(ht=dense(dh0, *dx)[1]), sync_dense, 1),
+        f"dense B={n}, 8 in one jit": (lambda i: state.update(ht=dense8(dh0, *dx)[1]),
+                                       sync_dense, 8),
+    }
 
 
 # --------------------------------------------------------------------------- #
@@ -214,7 +229,7 @@ def fla_child(spec):
     import warnings
 
     import torch
-    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    from fla.ops.kda import chunk_kda
 
     sets, h, d, iters, repeats = (spec[x] for x in ("sets", "heads", "head_dim", "iters",
                                                     "repeats"))
@@ -260,15 +275,15 @@ def fla_child(spec):
         rows.append(dict(step=step, implementation=name, ms=ms, host_ms=host_ms,
                          syncs_per_step=syncs(call)))
     for n in DECODE_SIZES:
-        dq, dk, dv = (cuda(x, torch.bfloat16).reshape(n, 1, h, d) for x in make(1, n, h, d, d, 1)[:3])
-        dg, db = (cuda(x).reshape((n, 1) + x.shape[2:]) for x in make(1, n, h, d, d, 1)[3:])
-        dh0 = torch.zeros((n, h, d, d), device="cuda")
-        call = lambda i: fused_recurrent_kda(dq, dk, dv, dg, db, initial_state=dh0,
-                                             output_final_state=True)
-        ms, host_ms = wall_ms(call, sync, iters, repeats)
-        rows.append(dict(step=f"decode N={n}", implementation=f"fla fused_recurrent dense B={n}",
-                         ms=ms, host_ms=host_ms, syncs_per_step=syncs(call)))
-        rows.append(fla_pool_decode(n, (dq, dk, dv, dg, db), sync, iters, repeats, syncs))
+        for name, call in fla_decode_steps(n, h, d).items():
+            try:
+                ms, host_ms = wall_ms(call, sync, iters, repeats)
+            except Exception as e:  # noqa: BLE001 - a failure costs this row only
+                rows.append(dict(step=f"decode N={n}", implementation=name, ms=None,
+                                 error=str(e)[-300:]))
+                continue
+            rows.append(dict(step=f"decode N={n}", implementation=name, ms=ms, host_ms=host_ms,
+                             syncs_per_step=syncs(call)))
     print(json.dumps({"rows": rows, "torch": torch.__version__,
                       "fla": getattr(__import__("fla"), "__version__", "?")}))
 
@@ -291,17 +306,25 @@ def fla_pool_decode_call(q, k, v, g, beta):
                                            ssm_state_indices=idx)
 
 
-def fla_pool_decode(n, x, sync, iters, repeats, syncs):
-    """bench.serving's row of :func:`fla_pool_decode_call` (x: [N, 1, ...] inputs)."""
-    name = "fla fused_recurrent, pool in place (ssm_state_indices)"
-    try:
-        step = fla_pool_decode_call(*(y.reshape((1, n) + y.shape[2:]) for y in x))
-        call = lambda i: step()
-        ms, host_ms = wall_ms(call, sync, iters, repeats)
-    except Exception as e:  # noqa: BLE001 - an internal function: a failure costs this row only
-        return dict(step=f"decode N={n}", implementation=name, ms=None, error=str(e)[-300:])
-    return dict(step=f"decode N={n}", implementation=name, ms=ms, host_ms=host_ms,
-                syncs_per_step=syncs(call))
+def fla_decode_steps(n, h, d):
+    """fla's decode steps of ``n`` one-token sequences, the peers of
+    :func:`kda_decode_steps` (the same inputs): {name: call(i)}, dense
+    fused_recurrent_kda ([N, 1] tokens, a float32 initial state and a new final
+    state) and the serving form (:func:`fla_pool_decode_call`)."""
+    import torch
+    from fla.ops.kda import fused_recurrent_kda
+
+    arrays = make(1, n, h, d, d, seed=1)
+    x = [torch.tensor(y, device="cuda", dtype=torch.bfloat16 if i < 3 else torch.float32)
+         for i, y in enumerate(arrays)]
+    dense = [y.reshape((n, 1) + y.shape[2:]) for y in x]
+    h0 = torch.zeros((n, h, d, d), device="cuda")
+    pool_step = fla_pool_decode_call(*x)
+    return {
+        f"fla fused_recurrent dense B={n}": lambda i: fused_recurrent_kda(
+            *dense, initial_state=h0, output_final_state=True),
+        "fla fused_recurrent, pool in place (ssm_state_indices)": lambda i: pool_step(),
+    }
 
 
 def fla_rows(a, sets):

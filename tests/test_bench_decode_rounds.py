@@ -1,0 +1,38 @@
+"""bench.decode_rounds on a CPU: its bookkeeping, and the step names it asks
+bench.serving for (a mismatch would show only in a GPU call)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import decode_rounds as rounds
+
+
+def test_the_order_alternates_and_ratios_are_per_round():
+    assert rounds.round_order(0) == ("kda_jax", "fla")
+    assert rounds.round_order(1) == ("fla", "kda_jax")
+    got = rounds.summarize([
+        dict(round=0, form="dense", kda_jax_ms=1.0, fla_ms=2.0),
+        dict(round=1, form="dense", kda_jax_ms=3.0, fla_ms=2.0),
+        dict(round=2, form="dense", kda_jax_ms=2.0, fla_ms=2.0),
+        dict(round=0, form="pool", kda_jax_ms=1.0, fla_ms=1.0),
+    ])
+    assert got["dense"] == dict(rounds=3, kda_jax_ms=2.0, fla_ms=2.0, ratio_median=1.0,
+                                ratio_min=0.5, ratio_max=1.5)
+    assert got["pool"]["ratio_median"] == 1.0 and got["pool"]["rounds"] == 1
+
+
+@pytest.mark.parametrize("form", rounds.FORMS)
+def test_kda_jax_steps_have_the_names_asked_for(form):
+    from bench.serving import kda_decode_steps
+
+    steps = kda_decode_steps(4, 2, 16, impl="xla")
+    call, sync, per = steps[rounds.kda_name(form, 4)]
+    assert per == 1
+    call(0)
+    sync()
+
+
+def test_an_unknown_form_is_refused():
+    with pytest.raises(SystemExit, match="'paged' must be one of"):
+        rounds.main(["--forms", "dense,paged"])
