@@ -5,7 +5,7 @@
 bench.serving times kda_jax's steps, then fla's in a child process: two
 processes one after the other, and a GPU whose clocks and temperature drift
 between them moves a step of ~0.27 ms by a few per cent (seen on the H200:
-kernel took 262.6 us in one process and 271.3 in another). Here the fla child
+fla's decode kernel 264 us in one process, 271 in another). Here the fla child
 stays alive and the two take turns: each round times kda_jax's step and
 fla's (the order swapped every round), each the median of --repeats loops of
 --iters calls (bench.serving.wall_ms). A drift then falls on both sides of a
