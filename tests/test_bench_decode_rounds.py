@@ -36,3 +36,14 @@ def test_kda_jax_steps_have_the_names_asked_for(form):
 def test_an_unknown_form_is_refused():
     with pytest.raises(SystemExit, match="'paged' must be one of"):
         rounds.main(["--forms", "dense,paged"])
+
+
+def test_every_decode_step_of_bench_serving_runs():
+    # XLA on the CPU, tiny shapes: the calls and syncs bench.serving times.
+    from bench.serving import kda_decode_steps
+
+    steps = kda_decode_steps(4, 2, 16, impl="xla")
+    assert {per for _, _, per in steps.values()} == {1, 8}
+    for call, sync, _ in steps.values():
+        call(0)
+        sync()
