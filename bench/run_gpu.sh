@@ -26,6 +26,7 @@
 #             .variants/<commit>/kernels from `git archive <commit> kernels`)
 #   drounds   bench.decode_rounds: the decode step (N = 256) and fla's taking
 #             turns, kda_jax here and fla in a child kept alive (ROUNDS rounds)
+#   donation  bench.decode_donation: a dense decode step kept, dropped or donated
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
@@ -139,6 +140,10 @@ for stage in "$@"; do
       timeout 240 python3 -m bench.decode_rounds --rounds "${ROUNDS:-8}" \
         --json "$OUT/decode_rounds.json" > "$OUT/decode_rounds.log" 2>&1
       grep -v Warning "$OUT/decode_rounds.log" | tail -6 ;;
+    donation)
+      timeout 150 python3 -m bench.decode_donation --json "$OUT/decode_donation.json" \
+        > "$OUT/decode_donation.log" 2>&1
+      grep -v Warning "$OUT/decode_donation.log" | tail -3 ;;
     tuneb)
       timeout 300 python3 -m bench.tune_backward ${GRID:+--grid "$GRID"} --json "$OUT/tune_backward.json" 2>&1 \
         | grep -v Warning | tail -8 ;;

@@ -1,5 +1,6 @@
-"""bench.decode_rounds on a CPU: its bookkeeping, and the step names it asks
-bench.serving for (a mismatch would show only in a GPU call)."""
+"""bench.decode_rounds and bench.decode_donation on a CPU: their bookkeeping, and
+the step names decode_rounds asks bench.serving for (a mismatch would show only
+in a GPU call)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,17 @@ def test_every_decode_step_of_bench_serving_runs():
     for call, sync, _ in steps.values():
         call(0)
         sync()
+
+
+def test_decode_donation_runs_its_three_forms(tmp_path):
+    # XLA on the CPU, tiny shapes: bench.decode_donation's calls and JSON.
+    import json
+
+    from bench import decode_donation
+
+    out = tmp_path / "donation.json"
+    decode_donation.main(["--n", "4", "--heads", "2", "--head-dim", "16", "--rounds", "1",
+                          "--iters", "2", "--repeats", "1", "--impl", "xla", "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert set(got["medians_ms"]) == set(decode_donation.FORMS)
+    assert all(ms > 0 for ms in got["medians_ms"].values())
