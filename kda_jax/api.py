@@ -390,7 +390,7 @@ _ARGS_DOC = """
         Read only: the final state is a new array. Donating initial_state to
         the enclosing jit does not make a step in place (XLA copies the new
         state into the donated buffer; a 256-sequence decode step on the H200
-        took 0.54 ms instead of 0.28): for in-place updates keep the states
+        took 0.53 ms instead of 0.28): for in-place updates keep the states
         in a ``state_cache``.
       output_final_state: also return the state after each sequence.
       use_qk_l2norm_in_kernel: L2-normalize q and k (eps 1e-6, float32).
