@@ -277,6 +277,10 @@ RECURRENT = {
     # 0.269-0.272 ms against fla's 0.271-0.272 and 64 x 4 0.289-0.293; through
     # jit (bench.tune_decode) 0.294 against 0.308-0.317. 32 x 1, 64 x 2 and
     # 16 x 1 lie between. Spill-free on sm90 at every K (kda_jax.aot).
+    # stages=2 also pipelines the token loop: the serving decode (bounds from
+    # metadata) 0.344 -> 0.282 ms against fla's 0.289-0.294 (session 10). On
+    # the AMD targets it costs VGPRs in the varlen form (gfx950 89 -> 110, no
+    # spills) and is untimed there.
     "sm90": RecurrentConfig(block_v=32, warps=4, stages=2),
     "gfx950": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, warps=2, stages=2),
