@@ -153,7 +153,7 @@ def _recurrent_sequence(
 
     # A software-pipelined loop: the next token's loads are issued before this
     # token's update. With bounds loaded from metadata (a serving decode, pool
-    # or not) the plain loop was 20 % slower than the uniform form (H200, 256
+    # or not) the plain loop was 28 % slower than the uniform form (H200, 256
     # one-token sequences, H = 32, from one PyTorch process: 344 -> 282 us
     # with this loop; fla's serving decode 289-294; the dense form unchanged).
     for _ in tl.range(0, eos - bos, num_stages=LOOP_STAGES):
