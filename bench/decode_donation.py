@@ -11,7 +11,8 @@ with a float32 initial and final state, three ways of calling the jitted step:
   donated: h = step(h) with h donated, the state carried from step to step.
 The donated form is not in place: the kernel writes a new buffer and XLA
 copies it into the donated one (a state pool, ``state_cache``, is the
-in-place form). Rounds alternate the three; medians per form. GPU only for
+in-place form). Rounds alternate the three (bench.serving.wall_ms: the median of
+--repeats loops of --iters calls); medians per form. GPU only for
 results (``--impl xla`` runs it anywhere, as the CPU test does).
 """
 
@@ -22,13 +23,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 FORMS = ("keep", "drop", "donated")
 
 
 def decode_calls(n: int, h: int, d: int, impl: str = "triton") -> tuple[dict, dict]:
-    """({form: call()}, state): the three ways of calling one dense decode step."""
+    """({form: call(i)}, state): the three ways of calling one dense decode step."""
     import jax
     import jax.numpy as jnp
 
@@ -46,35 +46,17 @@ def decode_calls(n: int, h: int, d: int, impl: str = "triton") -> tuple[dict, di
     h0 = jnp.zeros((n, h, d, d), jnp.float32)
     state = {"h": jnp.zeros((n, h, d, d), jnp.float32)}
 
-    def keep():
+    def keep(i):
         state["ht"] = plain(h0, *x)
 
-    def drop():
+    def drop(i):
         state.pop("ht", None)
         state["ht"] = plain(h0, *x)
 
-    def carried():
+    def carried(i):
         state["h"] = donated(state["h"], *x)
 
     return {"keep": keep, "drop": drop, "donated": carried}, state
-
-
-def wall_ms(call, state, iters: int, repeats: int) -> float:
-    """Median ms per call over ``repeats`` loops of ``iters`` calls, to the end
-    of the last result."""
-    import jax
-
-    for _ in range(3):
-        call()
-    jax.block_until_ready(list(state.values()))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            call()
-        jax.block_until_ready(list(state.values()))
-        samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(samples)
 
 
 def main(argv=None):
@@ -89,13 +71,17 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX starts
+    import jax
+
+    from bench.serving import wall_ms
     from bench.timing import versions
 
     calls, state = decode_calls(a.n, a.heads, a.head_dim, a.impl)
+    sync = lambda: jax.block_until_ready(list(state.values()))  # noqa: E731
     times = {form: [] for form in FORMS}
     for r in range(a.rounds):
         for form in FORMS:
-            times[form].append(wall_ms(calls[form], state, a.iters, a.repeats))
+            times[form].append(wall_ms(calls[form], sync, a.iters, a.repeats)[0])
         print(f"round {r} " + "  ".join(f"{f} {times[f][-1]:.4f} ms" for f in FORMS), flush=True)
     medians = {form: statistics.median(t) for form, t in times.items()}
     print("median " + "  ".join(f"{f} {m:.4f} ms" for f, m in medians.items()))
