@@ -15,7 +15,8 @@ range.
 Forms (bench.serving's decode rows, the same inputs): "dense", N one-token
 sequences [N, 1] with a float32 initial and final state (fla's public
 fused_recurrent_kda), and "pool", the serving decode (packed tokens, device
-bounds, a pool updated in place; fla's through ssm_state_indices). GPU only.
+bounds, a pool updated in place; ours with the batch moved by jax.device_put,
+fla's through ssm_state_indices). GPU only.
 """
 
 from __future__ import annotations
