@@ -27,6 +27,8 @@
 #   drounds   bench.decode_rounds: the decode step (N = 256) and fla's taking
 #             turns, kda_jax here and fla in a child kept alive (ROUNDS rounds)
 #   donation  bench.decode_donation: a dense decode step kept, dropped or donated
+#   dmemory   bench.decode_memory: the dense decode step against the copy ceiling,
+#             a pipelined V-loop form, and the state buffers' placement (jit vs Triton)
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
@@ -144,6 +146,10 @@ for stage in "$@"; do
       timeout 150 python3 -m bench.decode_donation --json "$OUT/decode_donation.json" \
         > "$OUT/decode_donation.log" 2>&1
       grep -v Warning "$OUT/decode_donation.log" | tail -3 ;;
+    dmemory)
+      timeout 240 python3 -m bench.decode_memory --rounds "${ROUNDS:-3}" \
+        --json "$OUT/decode_memory.json" > "$OUT/decode_memory.log" 2>&1
+      grep -v Warning "$OUT/decode_memory.log" | tail -40 ;;
     tuneb)
       timeout 300 python3 -m bench.tune_backward ${GRID:+--grid "$GRID"} --json "$OUT/tune_backward.json" 2>&1 \
         | grep -v Warning | tail -8 ;;

@@ -1,0 +1,291 @@
+"""Where a dense decode step's time goes: the copy ceiling, the kernel's shape,
+and where the state buffers lie (GPU only).
+
+    python -m bench.decode_memory [--n 256] [--rounds 3] [--no-jax] [--json PATH]
+
+A dense decode step of N one-token sequences (H = 32, K = V = 128) reads a
+float32 state and writes a new one: 2 x N x H x K x V x 4 bytes (1.07 GB at
+N = 256), everything else is under 1 %. So the step is a copy with a little
+arithmetic on the way, and its floor is the device's copy bandwidth. Timed in
+one PyTorch process, in rounds (rows in turn, --rounds times), each row the
+median wall-clock and CUDA-event time per call (bench.decode_kernels_torch):
+
+  copy: torch's ``ht.copy_(h0)``; a Triton copy of 16 KiB contiguous blocks;
+        a Triton copy in the decode kernel's tiles ([K, 32] of a [K, V] state,
+        grid (V blocks, heads, sequences)): the ceilings of the step.
+  kernel: kda_jax's decode kernel (launched by Triton, bench.decode_kernels_torch)
+        and fla's fused_recurrent_kda; a one-program-per-head form that walks
+        the V blocks in a software-pipelined loop (``vloop``, configs
+        BLOCK_VxWARPSxSTAGES), an experiment for the kernel's shape.
+  placement: kda_jax's kernel with the initial and final state cut from one
+        allocation at set distances, and (unless --no-jax) at the distance and
+        alignment XLA gave them in this process's jitted step, which is timed
+        in the same rounds; then the kernel launched by Triton on the jitted
+        step's own buffers (through DLPack): the same buffers, another launcher.
+
+Each kernel row also reports its largest difference from kda_jax's kernel (o
+and final state) after one step from the same random state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+MIB = 1 << 20
+# Distances (bytes) between the final and the initial state's starts, beyond
+# the state's own size, for the placement rows.
+GAPS = (0, 256, 4096, 64 * 1024, 2 * MIB, 2 * MIB + 256)
+VLOOP_CONFIGS = "32x4x2,32x4x3,16x2x3,64x4x2"
+
+
+def parse_vloop(text: str) -> list[tuple[int, int, int]]:
+    """'BVxWARPSxSTAGES,...' -> [(block_v, warps, stages), ...]."""
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--vloop entry {item!r} must be BLOCK_VxWARPSxSTAGES, e.g. 32x4x2")
+        out.append(tuple(int(p) for p in parts))
+    return out
+
+
+def slab_layout(size: int, gap: int, base: int = 0) -> tuple[int, int, int]:
+    """(slab bytes, initial state's offset, final state's offset) for two
+    ``size``-byte states in one allocation, the final one starting ``size +
+    gap`` bytes after the initial one (``gap`` may be negative down to
+    -2 * size: the final state first), the first of them ``base`` bytes in."""
+    delta = size + gap
+    if delta >= size:
+        return base + delta + size, base, base + delta
+    if delta <= -size:
+        return base - delta + size, base - delta, base
+    raise ValueError(f"the states would overlap: {size=} {gap=}")
+
+
+def _kernels():
+    """The experiment's Triton kernels (defined here so that importing this
+    module needs no Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_flat_kernel(src, dst, BLOCK: tl.constexpr):
+        o_x = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + o_x, tl.load(src + o_x))
+
+    @triton.jit
+    def copy_tiles_kernel(h0, ht, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BV: tl.constexpr):
+        i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        p_s = (i_n.to(tl.int64) * HV + i_hv) * K * V
+        o_s = tl.arange(0, K)[:, None] * V + (i_v * BV + tl.arange(0, BV))[None, :]
+        tl.store(ht + p_s + o_s, tl.load(h0 + p_s + o_s))
+
+    @triton.jit
+    def decode_vloop_kernel(q, k, v, g, beta, h0, o, ht, H: tl.constexpr, HV: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                            SCALE: tl.constexpr, STAGES: tl.constexpr):
+        # One program per (head, sequence): q, k, exp(g) and beta once, then
+        # the state's V blocks in a pipelined loop (the next block's load in
+        # flight while this one is updated and stored).
+        i_hv, i_n = tl.program_id(0), tl.program_id(1)
+        i_h = i_hv // (HV // H)
+        o_k = tl.arange(0, K)
+        b_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
+        b_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
+        b_d = tl.exp(tl.load(g + (i_n * HV + i_hv) * K + o_k).to(tl.float32))
+        b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+        p_s = (i_n.to(tl.int64) * HV + i_hv) * K * V
+        p_v = (i_n * HV + i_hv) * V
+        for i_v in tl.range(0, V // BV, num_stages=STAGES):
+            o_v = i_v * BV + tl.arange(0, BV)
+            o_s = o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(h0 + p_s + o_s) * b_d[:, None]
+            b_v = tl.load(v + p_v + o_v).to(tl.float32)
+            b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
+            b_h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(b_h * b_q[:, None], axis=0) * SCALE
+            tl.store(o + p_v + o_v, b_o.to(o.dtype.element_ty))
+            tl.store(ht + p_s + o_s, b_h)
+
+    return copy_flat_kernel, copy_tiles_kernel, decode_vloop_kernel
+
+
+def jax_step(n: int, h: int, d: int, arrays):
+    """kda_jax's dense decode step, jitted: (call(i), sync(), state) where
+    state["ht"] is the last final state and state["h0"] the initial one."""
+    import jax
+    import jax.numpy as jnp
+
+    import kda_jax
+
+    x = [jnp.asarray(y, jnp.bfloat16 if i < 3 else jnp.float32).reshape((n, 1) + y.shape[2:])
+         for i, y in enumerate(arrays)]
+    step = jax.jit(lambda h0, *x: kda_jax.fused_recurrent_kda(
+        *x, initial_state=h0, output_final_state=True, implementation="triton")[1])
+    state = {"h0": jnp.zeros((n, h, d, d), jnp.float32)}
+
+    def call(i):
+        state["ht"] = step(state["h0"], *x)
+
+    return call, lambda: jax.block_until_ready(state["ht"]), state
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=256)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--vloop", default=VLOOP_CONFIGS)
+    p.add_argument("--no-jax", action="store_true", help="skip the jitted step and its placement")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    vloop = parse_vloop(a.vloop)
+    n, h, d, bv_ours, warps_ours = a.n, a.heads, 128, 32, 4
+
+    from bench.inputs import make
+    arrays = make(1, n, h, d, d, seed=1)
+    jx = None
+    if not a.no_jax:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+        jx = jax_step(n, h, d, arrays)
+
+    import torch
+    from fla.ops.kda import fused_recurrent_kda
+
+    from bench.decode_kernels_torch import decode_constexprs, kda_kernels, wall_and_event_ms
+    from bench.serving import wall_ms
+
+    copy_flat, copy_tiles, decode_vloop = _kernels()
+    ours_kernel = kda_kernels().kda_fused_recurrent_kernel
+    consts = decode_constexprs(h, d, bv_ours, "dense")
+    q, k, v = (torch.tensor(x, device="cuda", dtype=torch.bfloat16).reshape(n, 1, h, d)
+               for x in arrays[:3])
+    g, beta = (torch.tensor(x, device="cuda").reshape((n, 1) + x.shape[2:]) for x in arrays[3:])
+    dummy_f = torch.zeros(4, device="cuda")
+    dummy_i = torch.zeros(4, device="cuda", dtype=torch.int32)
+    shape = (n, h, d, d)
+    numel = n * h * d * d
+    size = numel * 4
+    h_rand = torch.randn(shape, device="cuda") * 0.1
+    h_zero = torch.zeros(shape, device="cuda")
+
+    def new_o():
+        return torch.empty((n, h, d), device="cuda", dtype=torch.bfloat16)
+
+    def launch_ours(h0, ht, o):
+        ours_kernel[(d // bv_ours, h, n)](
+            q, k, v, g, beta, dummy_f, dummy_f, h0, dummy_i, dummy_i, dummy_i, 0, n, n, 0,
+            o, ht, **consts, num_warps=warps_ours, num_stages=2)
+
+    def ours(h0, ht=None):
+        def call():
+            o, out = new_o(), (torch.empty(shape, device="cuda") if ht is None else ht)
+            launch_ours(h0, out, o)
+            return o, out
+        return call
+
+    def vloop_call(bv, warps, stages, h0):
+        def call():
+            o, ht = new_o(), torch.empty(shape, device="cuda")
+            decode_vloop[(h, n)](q, k, v, g, beta, h0, o, ht, H=h, HV=h, K=d, V=d, BV=bv,
+                                 SCALE=d ** -0.5, STAGES=stages, num_warps=warps)
+            return o, ht
+        return call
+
+    def copies(kind):
+        dst = torch.empty(shape, device="cuda")
+
+        def call():
+            if kind == "torch":
+                dst.copy_(h_rand)
+            elif kind == "flat":
+                copy_flat[(numel // 4096,)](h_rand, dst, BLOCK=4096, num_warps=4)
+            else:
+                copy_tiles[(d // bv_ours, h, n)](h_rand, dst, HV=h, K=d, V=d, BV=bv_ours,
+                                                 num_warps=4)
+            return None, dst
+        return call
+
+    def slab_rows(tag, gap, base=0):
+        total, at0, at1 = slab_layout(size, gap, base)
+        slab = torch.empty(total // 4 + 1, device="cuda")
+        h0 = slab[at0 // 4: at0 // 4 + numel].view(shape)
+        h0.copy_(h_rand)
+        ht = slab[at1 // 4: at1 // 4 + numel].view(shape)
+        return f"placement {tag}", ours(h0, ht)
+
+    rows = {
+        "copy torch": copies("torch"),
+        "copy flat 16 KiB blocks": copies("flat"),
+        "copy in the kernel's tiles": copies("tiles"),
+        "kda_jax kernel, random state": ours(h_rand),
+        "kda_jax kernel, zero state": ours(h_zero),
+        "fla fused_recurrent_kda": lambda: fused_recurrent_kda(
+            q, k, v, g, beta, initial_state=h_rand, output_final_state=True),
+    }
+    for bv, w, s in vloop:
+        rows[f"vloop {bv}x{w}x{s}"] = vloop_call(bv, w, s, h_rand)
+    for gap in GAPS:
+        name, call = slab_rows(f"gap {gap}", gap)
+        rows[name] = call
+    info = {}
+    if jx is not None:
+        call, sync, state = jx
+        call(0)
+        sync()
+        a0 = state["h0"].unsafe_buffer_pointer()
+        a1 = state["ht"].unsafe_buffer_pointer()
+        info = dict(jax_h0_addr=a0, jax_ht_addr=a1, jax_gap=a1 - a0 - size,
+                    jax_h0_mod_2mib=a0 % (2 * MIB), jax_ht_mod_2mib=a1 % (2 * MIB))
+        print(f"jax buffers: h0 {a0:#x} ht {a1:#x} gap {info['jax_gap']} bytes", flush=True)
+        name, slab = slab_rows("as jax's", info["jax_gap"], a0 % (2 * MIB))
+        rows[name] = slab
+        # The jitted step's own buffers under Triton's launcher (ht is written
+        # in place: the jitted step is timed in its own row, not on this one).
+        jh0, jht = torch.from_dlpack(state["h0"]), torch.from_dlpack(state["ht"])
+        rows["kda_jax kernel on jax's buffers"] = ours(jh0, jht)
+
+    def timed(name, make_call):
+        if name == "kda_jax jitted step":
+            call, sync, _ = jx
+            ms = wall_ms(call, sync, 50, 5)[0]
+            return dict(wall_ms=ms, event_ms=None)
+        wall, event = wall_and_event_ms(make_call())
+        return dict(wall_ms=wall, event_ms=event)
+
+    order = list(rows) + (["kda_jax jitted step"] if jx is not None else [])
+    ref_o, ref_h = ours(h_rand)()
+    ref_o, ref_h = ref_o.float().clone(), ref_h.clone()
+    results = []
+    for rnd in range(a.rounds):
+        names = order if rnd % 2 == 0 else order[::-1]
+        for name in names:
+            r = dict(round=rnd, row=name, **timed(name, rows.get(name)))
+            if name.startswith(("kda_jax kernel, random", "fla", "vloop")):
+                o, ht = rows[name]()
+                r["o_max_diff"] = float((o.reshape(ref_o.shape).float() - ref_o).abs().max())
+                r["state_max_diff"] = float((ht - ref_h).abs().max())
+            r["gb_per_s"] = 2 * size / (r["wall_ms"] * 1e-3) / 1e9
+            results.append(r)
+            ev = f"{r['event_ms']:.4f}" if r["event_ms"] is not None else "-"
+            extra = (f"  o diff {r['o_max_diff']:.1e} state diff {r['state_max_diff']:.1e}"
+                     if "o_max_diff" in r else "")
+            print(f"{rnd} {name:36s} wall {r['wall_ms']:.4f} ms  events {ev} ms  "
+                  f"{r['gb_per_s']:.0f} GB/s{extra}", flush=True)
+    if a.json:
+        from bench.timing import versions
+
+        with open(a.json, "w") as f:
+            json.dump(dict(rows=results, info=info, n=n, heads=h, head_dim=d,
+                           state_bytes=size, versions=dict(versions(), torch=torch.__version__),
+                           command="python -m bench.decode_memory " + " ".join(
+                               argv if argv is not None else sys.argv[1:])), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
