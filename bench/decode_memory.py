@@ -151,7 +151,10 @@ def main(argv=None):
     jx = None
     if not a.no_jax:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+        cache = os.environ.get("TRITON_CACHE_DIR")
         jx = jax_step(n, h, d, arrays)
+        if cache:  # importing jax-triton empties it; torch's Triton launches need it
+            os.environ["TRITON_CACHE_DIR"] = cache
 
     import torch
     from fla.ops.kda import fused_recurrent_kda
