@@ -153,6 +153,8 @@ def main(argv=None):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
         cache = os.environ.get("TRITON_CACHE_DIR")
         jx = jax_step(n, h, d, arrays)
+        jx[0](0)  # traced and compiled now: the trace imports jax-triton
+        jx[1]()
         if cache:  # importing jax-triton empties it; torch's Triton launches need it
             os.environ["TRITON_CACHE_DIR"] = cache
 
