@@ -254,12 +254,12 @@ def main(argv=None):
         jh0, jht = torch.from_dlpack(state["h0"]), torch.from_dlpack(state["ht"])
         rows["kda_jax kernel on jax's buffers"] = ours(jh0, jht)
 
-    def timed(name, make_call):
+    def timed(name, call):
         if name == "kda_jax jitted step":
-            call, sync, _ = jx
-            ms = wall_ms(call, sync, 50, 5)[0]
+            jcall, sync, _ = jx
+            ms = wall_ms(jcall, sync, 50, 5)[0]
             return dict(wall_ms=ms, event_ms=None)
-        wall, event = wall_and_event_ms(make_call())
+        wall, event = wall_and_event_ms(call)
         return dict(wall_ms=wall, event_ms=event)
 
     order = list(rows) + (["kda_jax jitted step"] if jx is not None else [])
