@@ -72,9 +72,21 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def copy_flat_kernel(src, dst, BLOCK: tl.constexpr):
+    def copy_flat_kernel(src, dst, BLOCK: tl.constexpr, STREAM: tl.constexpr):
         o_x = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(dst + o_x, tl.load(src + o_x))
+        if STREAM:  # read once, written once: keep neither in L2
+            tl.store(dst + o_x, tl.load(src + o_x, eviction_policy="evict_first"),
+                     cache_modifier=".cs")
+        else:
+            tl.store(dst + o_x, tl.load(src + o_x))
+
+    @triton.jit
+    def copy_persistent_kernel(src, dst, n_blocks, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+        # A grid of a few programs per multiprocessor, each walking blocks
+        # num_programs apart, the next block's load in flight (STAGES > 1).
+        for i_b in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
+            o_x = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(dst + o_x, tl.load(src + o_x))
 
     @triton.jit
     def copy_tiles_kernel(h0, ht, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -111,7 +123,35 @@ def _kernels():
             tl.store(o + p_v + o_v, b_o.to(o.dtype.element_ty))
             tl.store(ht + p_s + o_s, b_h)
 
-    return copy_flat_kernel, copy_tiles_kernel, decode_vloop_kernel
+    @triton.jit
+    def decode_persistent_kernel(q, k, v, g, beta, h0, o, ht, n_tiles, H: tl.constexpr,
+                                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                 BV: tl.constexpr, SCALE: tl.constexpr, STAGES: tl.constexpr):
+        # A few programs per multiprocessor walk the (V block, head, sequence)
+        # tiles num_programs apart: the next tile's loads in flight (STAGES > 1).
+        o_k = tl.arange(0, K)
+        for i_t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+            i_v = i_t % (V // BV)
+            i_hv = (i_t // (V // BV)) % HV
+            i_n = i_t // (V // BV * HV)
+            i_h = i_hv // (HV // H)
+            o_v = i_v * BV + tl.arange(0, BV)
+            p_s = (i_n.to(tl.int64) * HV + i_hv) * K * V
+            o_s = o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(h0 + p_s + o_s)
+            b_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
+            b_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
+            b_g = tl.load(g + (i_n * HV + i_hv) * K + o_k).to(tl.float32)
+            b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+            b_v = tl.load(v + (i_n * HV + i_hv) * V + o_v).to(tl.float32)
+            b_h = b_h * tl.exp(b_g)[:, None]
+            b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
+            b_h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(b_h * b_q[:, None], axis=0) * SCALE
+            tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty))
+            tl.store(ht + p_s + o_s, b_h)
+
+    return decode_persistent_kernel, copy_flat_kernel, copy_persistent_kernel, copy_tiles_kernel, decode_vloop_kernel
 
 
 def jax_step(n: int, h: int, d: int, arrays):
@@ -140,6 +180,12 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--vloop", default=VLOOP_CONFIGS)
+    p.add_argument("--copies", default="",
+                   help="more copy rows, KIND:BLOCKxWARPS[xSTAGESxPROGRAMS_PER_SM],... with KIND "
+                        "flat, stream (evict-first load, streaming store) or persistent")
+    p.add_argument("--persistent", default="",
+                   help="persistent decode rows, BLOCK_VxWARPSxSTAGESxPROGRAMS_PER_SM,...")
+    p.add_argument("--no-placement", action="store_true", help="skip the placement rows")
     p.add_argument("--no-jax", action="store_true", help="skip the jitted step and its placement")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -164,7 +210,8 @@ def main(argv=None):
     from bench.decode_kernels_torch import decode_constexprs, kda_kernels, wall_and_event_ms
     from bench.serving import wall_ms
 
-    copy_flat, copy_tiles, decode_vloop = _kernels()
+    decode_persistent, copy_flat, copy_persistent, copy_tiles, decode_vloop = _kernels()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     ours_kernel = kda_kernels().kda_fused_recurrent_kernel
     consts = decode_constexprs(h, d, bv_ours, "dense")
     q, k, v = (torch.tensor(x, device="cuda", dtype=torch.bfloat16).reshape(n, 1, h, d)
@@ -201,14 +248,29 @@ def main(argv=None):
             return o, ht
         return call
 
-    def copies(kind):
+    def persistent_call(bv, warps, stages, per_sm, h0):
+        tiles = d // bv * h * n
+
+        def call():
+            o, ht = new_o(), torch.empty(shape, device="cuda")
+            decode_persistent[(sms * per_sm,)](
+                q, k, v, g, beta, h0, o, ht, tiles, H=h, HV=h, K=d, V=d, BV=bv,
+                SCALE=d ** -0.5, STAGES=stages, num_warps=warps)
+            return o, ht
+        return call
+
+    def copies(kind, block=4096, warps=4, stages=1, per_sm=4):
         dst = torch.empty(shape, device="cuda")
 
         def call():
             if kind == "torch":
                 dst.copy_(h_rand)
-            elif kind == "flat":
-                copy_flat[(numel // 4096,)](h_rand, dst, BLOCK=4096, num_warps=4)
+            elif kind in ("flat", "stream"):
+                copy_flat[(numel // block,)](h_rand, dst, BLOCK=block, STREAM=kind == "stream",
+                                             num_warps=warps)
+            elif kind == "persistent":
+                copy_persistent[(sms * per_sm,)](h_rand, dst, numel // block, BLOCK=block,
+                                                  STAGES=stages, num_warps=warps)
             else:
                 copy_tiles[(d // bv_ours, h, n)](h_rand, dst, HV=h, K=d, V=d, BV=bv_ours,
                                                  num_warps=4)
@@ -226,6 +288,12 @@ def main(argv=None):
     rows = {
         "copy torch": copies("torch"),
         "copy flat 16 KiB blocks": copies("flat"),
+    }
+    for spec in filter(None, a.copies.split(",")):
+        kind, sizes = spec.split(":")
+        block, warps, stages, per_sm = (int(x) for x in (sizes.split("x") + ["1", "4"])[:4])
+        rows[f"copy {spec}"] = copies(kind, block, warps, stages, per_sm)
+    rows |= {
         "copy in the kernel's tiles": copies("tiles"),
         "kda_jax kernel, random state": ours(h_rand),
         "kda_jax kernel, zero state": ours(h_zero),
@@ -234,7 +302,10 @@ def main(argv=None):
     }
     for bv, w, s in vloop:
         rows[f"vloop {bv}x{w}x{s}"] = vloop_call(bv, w, s, h_rand)
-    for gap in GAPS:
+    for spec in filter(None, a.persistent.split(",")):
+        bv, w, st, per_sm = (int(x) for x in spec.split("x"))
+        rows[f"persistent {spec}"] = persistent_call(bv, w, st, per_sm, h_rand)
+    for gap in () if a.no_placement else GAPS:
         name, call = slab_rows(f"gap {gap}", gap)
         rows[name] = call
     info = {}
@@ -270,7 +341,7 @@ def main(argv=None):
         names = order if rnd % 2 == 0 else order[::-1]
         for name in names:
             r = dict(round=rnd, row=name, **timed(name, rows.get(name)))
-            if name.startswith(("kda_jax kernel, random", "fla", "vloop")):
+            if name.startswith(("kda_jax kernel, random", "fla", "vloop", "persistent")):
                 o, ht = rows[name]()
                 r["o_max_diff"] = float((o.reshape(ref_o.shape).float() - ref_o).abs().max())
                 r["state_max_diff"] = float((ht - ref_h).abs().max())

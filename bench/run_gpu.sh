@@ -28,7 +28,8 @@
 #             turns, kda_jax here and fla in a child kept alive (ROUNDS rounds)
 #   donation  bench.decode_donation: a dense decode step kept, dropped or donated
 #   dmemory   bench.decode_memory: the dense decode step against the copy ceiling,
-#             a pipelined V-loop form, and the state buffers' placement (jit vs Triton)
+#             a pipelined V-loop form, and the state buffers' placement (jit vs Triton);
+#             DMEMORY_ARGS adds its options (--copies, --persistent, --no-placement...)
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
@@ -147,7 +148,7 @@ for stage in "$@"; do
         > "$OUT/decode_donation.log" 2>&1
       grep -v Warning "$OUT/decode_donation.log" | tail -3 ;;
     dmemory)
-      timeout 240 python3 -m bench.decode_memory --rounds "${ROUNDS:-3}" \
+      timeout 240 python3 -m bench.decode_memory --rounds "${ROUNDS:-3}" ${DMEMORY_ARGS:-} \
         --json "$OUT/decode_memory.json" > "$OUT/decode_memory.log" 2>&1
       grep -v Warning "$OUT/decode_memory.log" | tail -40 ;;
     tuneb)
