@@ -182,7 +182,10 @@ def main(argv=None):
     p.add_argument("--vloop", default=VLOOP_CONFIGS)
     p.add_argument("--copies", default="",
                    help="more copy rows, KIND:BLOCKxWARPS[xSTAGESxPROGRAMS_PER_SM],... with KIND "
-                        "flat, stream (evict-first load, streaming store) or persistent")
+                        "flat, stream (evict-first load, streaming store), persistent, or "
+                        "tiles (BLOCK = the tile's V width)")
+    p.add_argument("--ours", default="",
+                   help="kda_jax's kernel at more tiles, BLOCK_VxWARPS,...")
     p.add_argument("--persistent", default="",
                    help="persistent decode rows, BLOCK_VxWARPSxSTAGESxPROGRAMS_PER_SM,...")
     p.add_argument("--no-placement", action="store_true", help="skip the placement rows")
@@ -228,15 +231,14 @@ def main(argv=None):
     def new_o():
         return torch.empty((n, h, d), device="cuda", dtype=torch.bfloat16)
 
-    def launch_ours(h0, ht, o):
-        ours_kernel[(d // bv_ours, h, n)](
-            q, k, v, g, beta, dummy_f, dummy_f, h0, dummy_i, dummy_i, dummy_i, 0, n, n, 0,
-            o, ht, **consts, num_warps=warps_ours, num_stages=2)
+    def ours(h0, ht=None, bv=bv_ours, warps=warps_ours):
+        consts_bv = dict(consts, BV=bv)
 
-    def ours(h0, ht=None):
         def call():
             o, out = new_o(), (torch.empty(shape, device="cuda") if ht is None else ht)
-            launch_ours(h0, out, o)
+            ours_kernel[(d // bv, h, n)](
+                q, k, v, g, beta, dummy_f, dummy_f, h0, dummy_i, dummy_i, dummy_i, 0, n, n, 0,
+                o, out, **consts_bv, num_warps=warps, num_stages=2)
             return o, out
         return call
 
@@ -271,9 +273,9 @@ def main(argv=None):
             elif kind == "persistent":
                 copy_persistent[(sms * per_sm,)](h_rand, dst, numel // block, BLOCK=block,
                                                   STAGES=stages, num_warps=warps)
-            else:
-                copy_tiles[(d // bv_ours, h, n)](h_rand, dst, HV=h, K=d, V=d, BV=bv_ours,
-                                                 num_warps=4)
+            else:  # the decode kernel's tiles, [K, block] of a [K, V] state
+                copy_tiles[(d // block, h, n)](h_rand, dst, HV=h, K=d, V=d, BV=block,
+                                               num_warps=warps)
             return None, dst
         return call
 
@@ -294,7 +296,7 @@ def main(argv=None):
         block, warps, stages, per_sm = (int(x) for x in (sizes.split("x") + ["1", "4"])[:4])
         rows[f"copy {spec}"] = copies(kind, block, warps, stages, per_sm)
     rows |= {
-        "copy in the kernel's tiles": copies("tiles"),
+        "copy in the kernel's tiles": copies("tiles", bv_ours, warps_ours),
         "kda_jax kernel, random state": ours(h_rand),
         "kda_jax kernel, zero state": ours(h_zero),
         "fla fused_recurrent_kda": lambda: fused_recurrent_kda(
@@ -302,6 +304,9 @@ def main(argv=None):
     }
     for bv, w, s in vloop:
         rows[f"vloop {bv}x{w}x{s}"] = vloop_call(bv, w, s, h_rand)
+    for spec in filter(None, a.ours.split(",")):
+        bv, w = (int(x) for x in spec.split("x"))
+        rows[f"kda_jax kernel {spec}"] = ours(h_rand, bv=bv, warps=w)
     for spec in filter(None, a.persistent.split(",")):
         bv, w, st, per_sm = (int(x) for x in spec.split("x"))
         rows[f"persistent {spec}"] = persistent_call(bv, w, st, per_sm, h_rand)
@@ -341,7 +346,7 @@ def main(argv=None):
         names = order if rnd % 2 == 0 else order[::-1]
         for name in names:
             r = dict(round=rnd, row=name, **timed(name, rows.get(name)))
-            if name.startswith(("kda_jax kernel, random", "fla", "vloop", "persistent")):
+            if name.startswith(("kda_jax kernel", "fla", "vloop", "persistent")) and "zero" not in name and "buffers" not in name:
                 o, ht = rows[name]()
                 r["o_max_diff"] = float((o.reshape(ref_o.shape).float() - ref_o).abs().max())
                 r["state_max_diff"] = float((ht - ref_h).abs().max())

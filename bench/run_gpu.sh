@@ -30,6 +30,10 @@
 #   dmemory   bench.decode_memory: the dense decode step against the copy ceiling,
 #             a pipelined V-loop form, and the state buffers' placement (jit vs Triton);
 #             DMEMORY_ARGS adds its options (--copies, --persistent, --no-placement...)
+#   ptxas     the decode kernel built by Triton's ptxas and by the CUDA toolkit's
+#             that JAX carries (jaxlib compiles jax-triton's PTX itself): the
+#             ptxas versions, bench.decode_memory's kernel rows under each, and
+#             the two cubins' resource use and instruction counts
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
@@ -151,6 +155,26 @@ for stage in "$@"; do
       timeout 240 python3 -m bench.decode_memory --rounds "${ROUNDS:-3}" ${DMEMORY_ARGS:-} \
         --json "$OUT/decode_memory.json" > "$OUT/decode_memory.log" 2>&1
       grep -v Warning "$OUT/decode_memory.log" | tail -40 ;;
+    ptxas)
+      site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      { for p in $(find "$site" /usr/local/cuda*/bin -name ptxas -type f 2>/dev/null); do
+          echo "$p: $($p --version | tail -1)"; done; } | tee "$OUT/ptxas_versions.txt"
+      jax_ptxas=${JAX_PTXAS:-$(grep -v '/triton/' "$OUT/ptxas_versions.txt" | grep cuda_13 | head -1 | cut -d: -f1)}
+      for which in triton jax; do
+        cache=/tmp/ptxas-cache-$which; rm -rf "$cache"; mkdir -p "$cache"
+        if [ "$which" = jax ]; then export TRITON_PTXAS_PATH="$jax_ptxas"; else unset TRITON_PTXAS_PATH; fi
+        echo "# $which ptxas: ${TRITON_PTXAS_PATH:-bundled}"
+        TRITON_CACHE_DIR=$cache timeout 150 python3 -m bench.decode_memory --no-jax --no-placement \
+          --rounds "${ROUNDS:-2}" --vloop= ${DMEMORY_ARGS:-} --json "$OUT/decode_memory_ptxas_$which.json" \
+          2>&1 | grep -v Warning | grep -E "^1 " | tee "$OUT/decode_memory_ptxas_$which.log"
+        for c in $(find "$cache" -name 'kda_fused_recurrent_kernel.cubin'); do
+          cuobjdump -sass "$c" > "$OUT/sass_full_$which.txt" 2>&1
+          echo "## $c"; cuobjdump -res-usage "$c" | grep -i -E "REG|STACK|SHARED" | head -3
+          cuobjdump -sass "$c" | grep -oE '^\s+/\*[0-9a-f]+\*/\s+[A-Z][A-Z0-9_.]*' | awk '{print $2}' \
+            | sed 's/\..*//' | sort | uniq -c | sort -rn | head -25
+        done > "$OUT/sass_$which.txt" 2>&1
+      done
+      unset TRITON_PTXAS_PATH ;;
     tuneb)
       timeout 300 python3 -m bench.tune_backward ${GRID:+--grid "$GRID"} --json "$OUT/tune_backward.json" 2>&1 \
         | grep -v Warning | tail -8 ;;
