@@ -271,17 +271,19 @@ class RecurrentConfig:
 # per lane (64 at K = 256): 4 warps of 32 on sm90 and gfx1250 (wave32), 2
 # waves of 64 on gfx950 and gfx942.
 RECURRENT = {
-    # sm90: 32 wide, 4 warps (fla's tile). The H200, dense decode of 256
-    # one-token sequences, H = 32, K = V = 128: launched from one PyTorch
-    # process beside fla's kernel (bench.decode_kernels_torch), 32 x 4 takes
-    # 0.269-0.272 ms against fla's 0.271-0.272 and 64 x 4 0.289-0.293; through
-    # jit (bench.tune_decode) 0.294 against 0.308-0.317. 32 x 1, 64 x 2 and
-    # 16 x 1 lie between. Spill-free on sm90 at every K (kda_jax.aot).
+    # sm90: 64 wide, 4 warps (32 wide past K = 128). The H200, dense decode
+    # of 256 one-token sequences, H = 32, K = V = 128, launched from one
+    # PyTorch process beside fla's kernel (bench.decode_kernels_torch, session
+    # 11, both reductions in one pass): 64 x 4 0.267-0.269 ms, 32 x 4
+    # 0.268-0.274, 16 x 2 0.281-0.284, 64 x 8 0.293-0.297, 32 x 8 0.305-0.310;
+    # fla's 0.275. The state is a copy with arithmetic on the way, and rows of
+    # 64 floats copy faster than rows of 32 (bench.decode_memory: a plain copy
+    # in [128, 64] tiles 0.263-0.264 ms, in [128, 32] tiles 0.272-0.275).
     # stages=2 also pipelines the token loop: the serving decode (bounds from
     # metadata) 0.344 -> 0.282 ms against fla's 0.289-0.294 (session 10). On
     # the AMD targets it costs VGPRs in the varlen form (gfx950 89 -> 110, no
     # spills) and is untimed there.
-    "sm90": RecurrentConfig(block_v=32, warps=4, stages=2),
+    "sm90": RecurrentConfig(block_v=64, warps=4, stages=2, block_v_wide=32),
     "gfx950": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx1250": RecurrentConfig(block_v=32, warps=4, stages=2),
