@@ -249,15 +249,20 @@ class RecurrentConfig:
       (its next token's loads issued before this token's update).
     block_v_wide: the V block past K = 128, where the tile is twice as tall
       (None: block_v).
+    block_v_bounds: the V block when the kernel loads the sequence bounds
+      (varlen and bucketed batches: the serving decode), at K <= 128; None:
+      block_v. The dense decode (host bounds, all sequences one length) uses
+      block_v.
     """
 
     block_v: int = 32
     warps: int = 4
     stages: int = 2
     block_v_wide: int | None = None
+    block_v_bounds: int | None = None
 
     def __post_init__(self):
-        for name in ("block_v", "block_v_wide"):
+        for name in ("block_v", "block_v_wide", "block_v_bounds"):
             value = getattr(self, name)
             if value is not None and (value < 8 or value & (value - 1)):
                 raise ValueError(f"{name}={value} must be a power of two >= 8")
@@ -283,7 +288,9 @@ RECURRENT = {
     # metadata) 0.344 -> 0.282 ms against fla's 0.289-0.294 (session 10). On
     # the AMD targets it costs VGPRs in the varlen form (gfx950 89 -> 110, no
     # spills) and is untimed there.
-    "sm90": RecurrentConfig(block_v=64, warps=4, stages=2, block_v_wide=32),
+    # With bounds loaded (the serving decode, a pool) 32 wide: 0.282 ms at
+    # 32 x 4 against fla's 0.289-0.294 (session 10).
+    "sm90": RecurrentConfig(block_v=64, warps=4, stages=2, block_v_wide=32, block_v_bounds=32),
     "gfx950": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx1250": RecurrentConfig(block_v=32, warps=4, stages=2),

@@ -8,8 +8,8 @@ state [BK, BV] (all of K) in registers, and writes o and the final state:
     S = S + beta_t * outer(k_t, v_t - k_t @ S)
     o_t = scale * (q_t @ S)
 
-computed with both K reductions on the decayed state of the step before (see
-the token loop), the same values up to float32 rounding.
+with UNIFORM computed from both K reductions of the state before the step,
+in one pass (see the token loop): the same values up to float32 rounding.
 
 Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV]; o [T, HV, V];
@@ -180,18 +180,27 @@ def _recurrent_sequence(
             b_beta = _sigmoid(b_beta)
         b_beta = b_beta * BETA_SCALE
 
-        # Both reductions over K read the loaded state and share one pass
-        # (one round of cross-warp partial sums): with S' = d * S (d = exp(g)),
-        # k @ S' = (d k) @ S and q @ (S' + k u) = (d q) @ S + (q . k) u. The
-        # update then waits on one reduction, not two in a row (H200, dense
-        # decode of 256 one-token sequences: 64 x 4 tiles 0.291 -> 0.267 ms,
-        # 32 x 4 0.270 -> 0.268; fla's 0.275, session 11).
-        b_d = tl.exp(b_g)
-        b_kh, b_qh = tl.reduce((b_h * (b_k * b_d)[:, None], b_h * (b_q * b_d)[:, None]), 0,
-                               _add_pair)
-        b_v = b_beta * (b_v - b_kh)
-        b_o = (b_qh + tl.sum(b_q * b_k, axis=0) * b_v) * SCALE
-        b_h = b_h * b_d[:, None] + b_k[:, None] * b_v[None, :]
+        if UNIFORM:
+            # Both reductions over K read the loaded state and share one pass
+            # (one round of cross-warp partial sums): with S' = d * S (d =
+            # exp(g)), k @ S' = (d k) @ S and q @ (S' + k u) = (d q) @ S +
+            # (q . k) u, so the update waits on one reduction, not two in a
+            # row (H200, dense decode of 256 one-token sequences: 64 x 4 tiles
+            # 0.291 -> 0.267-0.269 ms, 32 x 4 0.270-0.272 -> 0.268-0.274; fla's
+            # 0.275, session 11). With bounds loaded from metadata the same
+            # form lost the pipelined loop's gain (pool form 0.282 -> 0.378 ms
+            # at 32 x 4), so that form keeps the reductions in sequence.
+            b_d = tl.exp(b_g)
+            b_kh, b_qh = tl.reduce((b_h * (b_k * b_d)[:, None], b_h * (b_q * b_d)[:, None]), 0,
+                                   _add_pair)
+            b_v = b_beta * (b_v - b_kh)
+            b_o = (b_qh + tl.sum(b_q * b_k, axis=0) * b_v) * SCALE
+            b_h = b_h * b_d[:, None] + b_k[:, None] * b_v[None, :]
+        else:
+            b_h = b_h * tl.exp(b_g)[:, None]
+            b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
+            b_h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(b_h * b_q[:, None], axis=0) * SCALE
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
         p_q += H * K

@@ -77,6 +77,7 @@ def test_backward_config_refuses_bad_values(kwargs, message):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_v=12), "block_v=12 must be a power of two"),
     (dict(block_v_wide=4), "block_v_wide=4 must be a power of two"),
+    (dict(block_v_bounds=48), "block_v_bounds=48 must be a power of two"),
     (dict(warps=3), "warps=3 must be one of"),
 ])
 def test_recurrent_config_refuses_bad_values(kwargs, message):
@@ -94,6 +95,23 @@ def test_decode_v_block_narrows_past_k_128(kd, bv):
                              has_a_log=False, has_dt_bias=False, has_initial_state=True,
                              indexed_state=False)
     assert c["BV"] == bv
+
+
+@pytest.mark.parametrize("kd, uniform_len, bv", [
+    (128, 1, 64),      # the dense decode: host bounds, one length
+    (128, None, 16),   # bounds loaded from metadata (varlen, bucketed, serving)
+    (256, None, 32),   # past K = 128 the wide block wins over both
+    (256, 1, 32),
+])
+def test_decode_v_block_with_loaded_bounds(kd, uniform_len, bv):
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton.recurrent import recurrent_constexprs
+
+    config = configs.RecurrentConfig(block_v=64, block_v_wide=32, block_v_bounds=16)
+    c = recurrent_constexprs(h=2, hv=2, kd=kd, vd=128, opts=KdaOptions(scale=0.1), config=config,
+                             has_a_log=False, has_dt_bias=False, has_initial_state=True,
+                             indexed_state=True, uniform_len=uniform_len)
+    assert c["BV"] == bv and c["UNIFORM"] == (uniform_len is not None)
 
 
 @pytest.mark.parametrize("work, expected", [("bfloat16", "tf32"), ("float32", "tf32x3")])

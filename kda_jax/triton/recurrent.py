@@ -41,11 +41,16 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     """The kernel's constexprs for these shapes, options and config (the one
     place they are derived). ``uniform_len``: every sequence has this many
     tokens (host bounds; the kernel then loads no bound), None: varlen."""
+    if kd > 128 and config.block_v_wide is not None:
+        block_v = config.block_v_wide
+    elif uniform_len is None and config.block_v_bounds is not None:
+        block_v = config.block_v_bounds
+    else:
+        block_v = config.block_v
     return dict(
         H=h, HV=hv, K=kd, V=vd,
         BK=_pow2(max(kd, 16)),
-        BV=min(_pow2(max(vd, 8)), config.block_v if kd <= 128 or config.block_v_wide is None
-               else config.block_v_wide),
+        BV=min(_pow2(max(vd, 8)), block_v),
         SCALE=float(opts.scale),
         USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
         HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
