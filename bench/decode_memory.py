@@ -1,7 +1,9 @@
 """Where a dense decode step's time goes: the copy ceiling, the kernel's shape,
 and where the state buffers lie (GPU only).
 
-    python -m bench.decode_memory [--n 256] [--rounds 3] [--no-jax] [--json PATH]
+    python -m bench.decode_memory [--n 256] [--rounds 3] [--vloop 32x4x2,...]
+        [--copies KIND:BLOCKxWARPS[xSTAGESxPER_SM],...] [--ours BVxWARPS,...]
+        [--persistent BVxWARPSxSTAGESxPER_SM,...] [--no-placement] [--no-jax] [--json PATH]
 
 A dense decode step of N one-token sequences (H = 32, K = V = 128) reads a
 float32 state and writes a new one: 2 x N x H x K x V x 4 bytes (1.07 GB at
@@ -24,7 +26,10 @@ median wall-clock and CUDA-event time per call (bench.decode_kernels_torch):
         step's own buffers (through DLPack): the same buffers, another launcher.
 
 Each kernel row also reports its largest difference from kda_jax's kernel (o
-and final state) after one step from the same random state.
+and final state) after one step from the same random state. Options add rows:
+--copies (flat blocks, streaming hints, persistent grids, [K, BV] tiles),
+--ours (kda_jax's kernel at other tiles), --persistent (a persistent decode
+form). What it found on the H200: bench/results/README.md, session 11.
 """
 
 from __future__ import annotations
