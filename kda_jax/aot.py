@@ -196,13 +196,20 @@ _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 def _decode_launch_for(kernel: str, target: str, spec: Spec):
     """_launch_for of the decode kernel (config: configs.RECURRENT[target]; the
     spec's chunk size does not apply; "default" flags compile the uniform
-    one-token form of a dense decode step, "all" flags the varlen form with
-    the state pool)."""
+    one-token form of a dense decode step with a float32 initial and final
+    state, as a decode loop runs it, "all" flags the varlen form with the
+    state pool)."""
+    import dataclasses
+
     from kda_jax.configs import recurrent_config
     from kda_jax.triton.forward import KernelLaunch
     from kda_jax.triton.recurrent import recurrent_constexprs
 
     opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
+    if spec.flags == "default":
+        # A decode step carries its state in and out; without them the
+        # kernel would compile to a form no decode loop launches.
+        opts, has_h0 = dataclasses.replace(opts, output_final_state=True), True
     config = recurrent_config(target)
     consts = recurrent_constexprs(
         h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config,

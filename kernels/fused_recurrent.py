@@ -8,8 +8,9 @@ state [BK, BV] (all of K) in registers, and writes o and the final state:
     S = S + beta_t * outer(k_t, v_t - k_t @ S)
     o_t = scale * (q_t @ S)
 
-with UNIFORM computed from both K reductions of the state before the step,
-in one pass (see the token loop): the same values up to float32 rounding.
+With UNIFORM the step is computed from both K reductions of the state before
+it, taken in one pass (see the token loop): the same values up to float32
+rounding.
 
 Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV]; o [T, HV, V];
