@@ -30,10 +30,11 @@
 #   dmemory   bench.decode_memory: the dense decode step against the copy ceiling,
 #             a pipelined V-loop form, and the state buffers' placement (jit vs Triton);
 #             DMEMORY_ARGS adds its options (--copies, --persistent, --no-placement...)
-#   ptxas     the decode kernel built by Triton's ptxas and by the CUDA toolkit's
-#             that JAX carries (jaxlib compiles jax-triton's PTX itself): the
-#             ptxas versions, bench.decode_memory's kernel rows under each, and
-#             the two cubins' resource use and instruction counts
+#   ptxas     the decode kernel built by Triton's bundled ptxas and by the CUDA
+#             13 toolkit's (jaxlib compiles jax-triton's PTX itself, with its
+#             CUDA's compiler; JAX_PTXAS names another): the ptxas versions,
+#             bench.decode_memory's kernel rows under each, and the two cubins'
+#             resource use and instruction counts
 #   tuneb     bench.tune_backward's grid (fwd+bwd time and gradient errors per config)
 #   savecache Triton's autotuning results (fla's kernels) into $OUT/autotune.tgz
 #   pack      every log under $OUT into $OUT/logs.tgz (a call returns 8 files at most)
