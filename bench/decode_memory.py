@@ -13,11 +13,12 @@ one PyTorch process, in rounds (rows in turn, --rounds times), each row the
 median wall-clock and CUDA-event time per call (bench.decode_kernels_torch):
 
   copy: torch's ``ht.copy_(h0)``; a Triton copy of 16 KiB contiguous blocks;
-        a Triton copy in the decode kernel's tiles ([K, 32] of a [K, V] state,
+        a Triton copy in the decode kernel's tiles ([K, BV] of a [K, V] state,
         grid (V blocks, heads, sequences)): the ceilings of the step.
-  kernel: kda_jax's decode kernel (launched by Triton, bench.decode_kernels_torch)
-        and fla's fused_recurrent_kda; a one-program-per-head form that walks
-        the V blocks in a software-pipelined loop (``vloop``, configs
+  kernel: kda_jax's decode kernel at sm90's shipped tile (launched by Triton,
+        bench.decode_kernels_torch) and fla's fused_recurrent_kda; a
+        one-program-per-head form that walks the V blocks in a
+        software-pipelined loop (``vloop``, configs
         BLOCK_VxWARPSxSTAGES), an experiment for the kernel's shape.
   placement: kda_jax's kernel with the initial and final state cut from one
         allocation at set distances, and (unless --no-jax) at the distance and
@@ -198,7 +199,11 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     vloop = parse_vloop(a.vloop)
-    n, h, d, bv_ours, warps_ours = a.n, a.heads, 128, 32, 4
+    from kda_jax.configs import RECURRENT
+
+    # kda_jax's kernel rows at the tile sm90 ships for the dense step.
+    shipped = RECURRENT["sm90"]
+    n, h, d, bv_ours, warps_ours = a.n, a.heads, 128, shipped.block_v, shipped.warps
 
     from bench.inputs import make
     arrays = make(1, n, h, d, d, seed=1)
