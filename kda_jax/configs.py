@@ -18,24 +18,24 @@ __all__ = ["ForwardConfig", "ARCHS", "FORWARD", "FORWARD_C32", "current_arch", "
 
 ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
 # Product precisions of the prepare kernel, in the order of its DOT constexpr.
-DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16")
+DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16", "bf16x3", "bf16x6")
 
 
 def _check_inverse_dot(name: str, value: str):
     """The inverse's merge products compound rounding through nilpotent powers:
     float32-grade modes or tf32 (with 16-bit inputs only, where X is used at
     16-bit or tf32 precision afterwards); never bf16."""
-    if value not in ("ieee", "tf32x3", "tf32"):
-        raise ValueError(f"{name}={value!r} must be 'ieee', 'tf32x3' or 'tf32' (the "
-                         "inverse's merge; bf16 operands lose too much)")
+    if value not in ("ieee", "tf32x3", "tf32", "bf16x3", "bf16x6"):
+        raise ValueError(f"{name}={value!r} must be 'ieee', 'tf32x3', 'tf32', 'bf16x3' or "
+                         "'bf16x6' (the inverse's merge; bf16 operands lose too much)")
 
 
 def _check_fp32_grade(name: str, value: str):
     """Products of the inverse (its merge compounds rounding through nilpotent
     powers) and with it in float32 work: only the float32-grade modes."""
-    if value not in ("ieee", "tf32x3"):
-        raise ValueError(f"{name}={value!r} must be 'ieee' or 'tf32x3' (float32-grade "
-                         "products)")
+    if value not in ("ieee", "tf32x3", "bf16x6"):
+        raise ValueError(f"{name}={value!r} must be 'ieee', 'tf32x3' or 'bf16x6' "
+                         "(float32-grade products)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,10 @@ class ForwardConfig:
     state_warps / state_stages: that kernel's num_warps / num_stages.
     prepare_dot: precision of the prepare kernel's intra-chunk products Akk
       and Aqk: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32 products,
-      about fp32 accuracy), "tf32" (NVIDIA only) or "bf16" (operands rounded
-      to bf16).
+      about fp32 accuracy), "tf32" (NVIDIA only), "bf16" (operands rounded
+      to bf16), "bf16x3" (three bf16 products of a two-term split, about
+      1e-5 relative; NVIDIA and AMD) or "bf16x6" (six products of a
+      three-term split, about fp32 accuracy; NVIDIA and AMD).
     inverse_dot: precision of the products that merge the inverse's 16-row
       diagonal blocks (which are always exact float32 sweeps) with 16-bit
       inputs: "ieee" or, on NVIDIA, "tf32x3" or "tf32". With float32 inputs

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 
 from kda_jax import configs, transforms
 from kda_jax.bounds import SeqBounds, chunk_table, packed_metadata
-from kda_jax.configs import DOT_MODES, BackwardConfig, ForwardConfig
+from kda_jax.configs import BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward import (KernelLaunch, chunk_kda_triton, forward_launches,
                                     split_state_k, work_dtype)
-from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
+from kda_jax.triton.launch import dot_code, interpret_mode, kernels, launch, stand_in
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
 
@@ -82,11 +82,11 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     split = split_state_k(work, kd)
     split_rev = split and config.dstate_split_k
     block = lambda n, cap: min(_pow2(max(n, 16)), cap)
-    dot_a = DOT_MODES.index(config.product_dot)
+    dot_a = dot_code(config.product_dot)
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
     # take fp32_dot.
-    dot_state = 0 if sixteen_bit else DOT_MODES.index(config.fp32_dot)
+    dot_state = 0 if sixteen_bit else dot_code(config.fp32_dot)
     common = dict(HV=hv, K=kd, V=vd, BT=bt)
     launches = [
         KernelLaunch("kda_bwd_state_kernel", dict(
@@ -105,7 +105,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             config.inter_warps, 1),
         KernelLaunch("kda_bwd_wy_kernel", dict(
             H=h, **common, BK=block(kd, config.wy_block_k), BV=block(vd, config.wy_block_v),
-            SCALE=float(opts.scale), DOT_X=DOT_MODES.index(
+            SCALE=float(opts.scale), DOT_X=dot_code(
                 config.wy_dot if sixteen_bit else config.wy_fp32_dot)),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(

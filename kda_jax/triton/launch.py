@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax import configs
+from kda_jax.configs import DOT_MODES
 from kda_jax.triton import compat
 
 __all__ = ["interpret_mode", "available", "unavailable_reason", "kernels", "launch", "stand_in"]
@@ -35,6 +36,16 @@ def stand_in(dtype=np.float32) -> jax.Array:
 def interpret_mode() -> bool:
     """True when KDA_JAX_INTERPRET=1: kernels run in Triton's interpreter on the host."""
     return os.environ.get("KDA_JAX_INTERPRET", "") == "1"
+
+
+def dot_code(mode: str) -> int:
+    """The kernels' DOT constexpr for product precision ``mode`` (an entry of
+    :data:`kda_jax.configs.DOT_MODES`). Triton's interpreter computes every
+    product in float32 and accepts only "ieee", "tf32" and "tf32x3", so the
+    split-bf16 modes run as "ieee" there."""
+    if interpret_mode() and mode in ("bf16x3", "bf16x6"):
+        return DOT_MODES.index("ieee")
+    return DOT_MODES.index(mode)
 
 
 def _enter_interpreter() -> str | None:
