@@ -2,7 +2,7 @@
 several launch configs and checks each one against the float32 reference
 (GPU only; CPU timings mean nothing).
 
-    python -m bench.tune_decode [--batches 256,1024] [--heads 32] [--configs 16x1,32x4]
+    python -m bench.tune.tune_decode [--batches 256,1024] [--heads 32] [--configs 16x1,32x4]
         [--json PATH]
 
 Each row: the config, the median ms of a dense [N, 1] decode step with an
@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -28,7 +27,8 @@ import numpy as np
 
 import kda_jax
 from bench.inputs import make
-from bench.timing import time_jax, versions
+from bench.timing import time_jax
+from bench.tune.grid import write_records
 from kda_jax import configs, reference, testing
 
 # Around the shipped sm90 config: the V block (more, smaller programs for the
@@ -102,12 +102,9 @@ def main(argv=None):
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         records.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "config"} | change), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"versions": versions(), "shape": dict(heads=args.heads, d=args.head_dim),
-                       "command": "python -m bench.tune_decode "
-                       + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "records": records}, f, indent=1)
+    for rec in records:
+        rec.update(heads=args.heads, head_dim=args.head_dim)
+    write_records(args.json, "bench.tune.tune_decode", argv, records)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Callable
 
-from bench.timing import versions
+from bench import meta as run_meta
 
 
 def run_grid(base, changes, measure: Callable, shape) -> list[dict]:
@@ -31,13 +31,8 @@ def run_grid(base, changes, measure: Callable, shape) -> list[dict]:
 
 
 def write_records(path: str | None, module: str, argv, records: list[dict]):
-    """The run's JSON: versions, the command line and the records."""
-    if not path:
-        return
-    with open(path, "w") as f:
-        json.dump({"versions": versions(), "command": f"python -m {module} "
-                   + " ".join(argv if argv is not None else sys.argv[1:]),
-                   "records": records}, f, indent=1)
+    """The run's JSON: one row per record, each with the run's metadata (bench.meta)."""
+    run_meta.write_rows(path, run_meta.stamp(records, run_meta.run_metadata(module, argv)))
 
 
 def parse_grid_args(doc: str, grids: dict, default: str, argv):

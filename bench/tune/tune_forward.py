@@ -1,7 +1,7 @@
 """Times the Triton forward under several launch configs and checks each one's
 accuracy against the float32 reference (GPU only; CPU timings mean nothing).
 
-    python -m bench.tune_forward [--shape 1,8192,32] [--grid NAME] [--json PATH]
+    python -m bench.tune.tune_forward [--shape 1,8192,32] [--grid NAME] [--json PATH]
 
 Each row: the config, the forward's median ms at the timing shape (bf16,
 K = V = 128) and the relative RMS error of o and the final state against
@@ -20,7 +20,7 @@ import numpy as np
 
 import kda_jax
 from bench.inputs import make
-from bench.grid import parse_grid_args, run_grid, write_records
+from bench.tune.grid import parse_grid_args, run_grid, write_records
 from bench.timing import time_jax
 from kda_jax import configs, reference, testing
 
@@ -64,7 +64,7 @@ def main(argv=None):
 
     records = run_grid(configs.forward_config(), GRIDS[args.grid], measure,
                        (b, t, h, 128, 128))
-    write_records(args.json, "bench.tune_forward", argv, records)
+    write_records(args.json, "bench.tune.tune_forward", argv, records)
 
 
 if __name__ == "__main__":

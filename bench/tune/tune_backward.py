@@ -1,7 +1,7 @@
 """Times chunk_kda's forward + backward under several backward configs and
 checks each one's gradients against the float32 reference (GPU only).
 
-    python -m bench.tune_backward [--shape 1,8192,32] [--grid NAME] [--json PATH]
+    python -m bench.tune.tune_backward [--shape 1,8192,32] [--grid NAME] [--json PATH]
 
 Each row: the config change, the fwd+bwd median ms at the timing shape (bf16,
 K = V = 128, as bench.backward) and the worst relative RMS error of dq, dk,
@@ -21,7 +21,7 @@ import numpy as np
 import kda_jax
 from bench.backward import jax_runner
 from bench.inputs import make
-from bench.grid import parse_grid_args, run_grid, write_records
+from bench.tune.grid import parse_grid_args, run_grid, write_records
 from kda_jax import configs, reference, testing
 
 GRIDS = {
@@ -73,7 +73,7 @@ def main(argv=None):
 
     records = run_grid(configs.backward_config(), GRIDS[args.grid], measure,
                        (b, t, h, 128, 128))
-    write_records(args.json, "bench.tune_backward", argv, records)
+    write_records(args.json, "bench.tune.tune_backward", argv, records)
 
 
 if __name__ == "__main__":

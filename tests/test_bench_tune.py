@@ -1,8 +1,8 @@
-"""bench.grid, the tuners' loop: a failing config is a record, not the end."""
+"""bench.tune.grid, the tuners' loop: a failing config is a record, not the end."""
 
 import json
 
-from bench.grid import run_grid, write_records
+from bench.tune.grid import run_grid, write_records
 from kda_jax.configs import ForwardConfig
 
 
@@ -21,8 +21,9 @@ def test_run_grid_records_each_change_and_failures(tmp_path, capsys):
     assert "out of resources" in capsys.readouterr().err
 
     path = tmp_path / "grid.json"
-    write_records(str(path), "bench.tune_forward", ["--grid", "prepare"], records)
+    write_records(str(path), "bench.tune.tune_forward", ["--grid", "prepare"], records)
     saved = json.loads(path.read_text())
-    assert saved["command"] == "python -m bench.tune_forward --grid prepare"
-    assert saved["records"] == json.loads(json.dumps(records))
-    assert "jax" in saved["versions"]
+    assert [r["change"] for r in saved] == changes
+    assert saved[1]["config"]["prepare_block_k"] == 16
+    assert {r["command"] for r in saved} == {"python -m bench.tune.tune_forward --grid prepare"}
+    assert all(r["versions"]["jax"] and "commit" in r and "date" in r for r in saved)
