@@ -37,7 +37,7 @@ def shape_label(row: dict) -> str:
 
 def provenance(rows: list[dict]) -> str:
     """'commit X, date' (or the set of them) of the rows, for a chart's title."""
-    commits = sorted({str(r.get("commit")) for r in rows})
+    commits = sorted({r.get("commit") or "not recorded" for r in rows})
     dates = sorted({str(r.get("date", ""))[:10] for r in rows})
     gpu = sorted({str((r.get("machine") or {}).get("gpu")) for r in rows})
     return f"{', '.join(gpu)}; commit {', '.join(commits)}; {', '.join(dates)}"
@@ -61,6 +61,8 @@ def ratio_chart(rows, title, path):
         ys = [by[s] for s in shapes if s in by]
         bars = ax.bar(xs, ys, width, label=impl)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    if rows and max(r["ratio_to_fla"] for r in rows) > 3:
+        ax.set_yscale("log")  # the XLA path's bars would flatten the Triton ones
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(shapes))], shapes,
                   fontsize=8)
@@ -81,9 +83,10 @@ def step_chart(rows, title, path):
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r.get("ms") is not None]
+    steps = list(dict.fromkeys(r["step"] for r in rows))
+    rows.sort(key=lambda r: steps.index(r["step"]))  # stable: each step's rows together
     labels = [f"{r['step']}: {r['implementation']}" for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.4))
-    steps = list(dict.fromkeys(r["step"] for r in rows))
     colors = [f"C{steps.index(r['step']) % 10}" for r in rows]
     bars = ax.barh(range(len(rows)), [r["ms"] for r in rows], color=colors)
     ax.bar_label(bars, fmt="%.3f", fontsize=7)

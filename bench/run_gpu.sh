@@ -13,7 +13,8 @@
 #
 # Needs a CUDA or ROCm GPU, the package's dependencies (pip install ".[cuda,test,bench]" or
 # ".[rocm,test,bench]") and, for fla's columns, torch and fla-core (flash-linear-attention).
-# Results go to $OUT (default bench/results/new); copy the files of record into bench/results/.
+# Results go to $OUT (default $TMPDIR/kda_jax-results); copy the files of record into
+# bench/results/ under their names there (h200-forward.json ...).
 #
 # Settings (environment):
 #   OUT         where logs and JSON go
@@ -28,7 +29,7 @@
 #               package index (pip install --no-index --no-deps --target into $OUT/site,
 #               put first on PYTHONPATH). Without it the environment's packages are used.
 set -uo pipefail
-OUT=${OUT:-bench/results/new}
+OUT=${OUT:-${TMPDIR:-/tmp}/kda_jax-results}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ -n "${WHEELS:-}" ]; then
