@@ -215,6 +215,12 @@ class KernelMetadata:
     bucketed: bool
     uniform_len: int | None = None
 
+    @property
+    def num_bounds(self) -> int:
+        """(bos, eos) pairs in cu_seqlens (its length - 1, a batch's sentinel
+        included): the kernels clamp a sequence id from the chunk table below it."""
+        return self.seq_programs
+
 
 def kernel_metadata(varlen: SeqBounds | VarlenBatch, chunk_size: int) -> KernelMetadata:
     """The metadata of ``varlen`` for kernels with chunks of ``chunk_size``
