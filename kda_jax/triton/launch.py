@@ -255,10 +255,11 @@ def _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliase
     array_pos = [i for i, a in enumerate(args) if not isinstance(a, (int, np.integer))]
     arrays = [args[i] for i in array_pos]
     source = {o: i for i, o in (aliases or {}).items()}  # output -> aliased args position
-    guard = guard_mode()
-    place = (lambda a: a) if guard is None else (lambda a: _guarded(a, guard == "end"))
+    guard_mode()  # an unknown value is named at trace time
 
     def host(*host_arrays):
+        guard = guard_mode()  # read per call: a test may move arrays between calls
+        place = (lambda a: a) if guard is None else (lambda a: _guarded(a, guard == "end"))
         full = list(args)
         for i, a in zip(array_pos, host_arrays):
             full[i] = _HostTensor(place(np.ascontiguousarray(np.asarray(a))))
