@@ -249,7 +249,8 @@ def kda_bwd_inter_kernel(
     kernel hands to every row of the chunk."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     i_c64 = i_c.to(tl.int64)
@@ -365,7 +366,8 @@ def kda_bwd_wy_kernel(
     "tf32x3"); do v_new^T and dv_new u^T multiply 16-bit intermediates
     natively (exact products) and take DOT_X only for float32 ones."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     i_h = i_hv // (HV // H)
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
@@ -503,7 +505,8 @@ def kda_bwd_intra_kernel(
     one column per program along K (NK = 1 with LOOP_K)."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)
