@@ -131,7 +131,7 @@ _ARGS = {
     "kda_fwd_prepare_kernel": (
         ("q", "in"), ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"),
         ("A_log", "*fp32"), ("dt_bias", "*fp32"), ("meta", "*i32"),
-        ("off_cu", "i32"), ("off_ct", "i32"),
+        ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"), ("n_tokens", "i32"),
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
         ("gl", "*fp32"), ("x", "*fp32"), ("gc", "*fp32"),
     ),
@@ -139,7 +139,7 @@ _ARGS = {
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
         ("gl", "*fp32"), ("h0", "*fp32"), ("read_idx", "*i32"), ("write_idx", "*i32"),
         ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("n_seqs", "i32"),
-        ("n_tokens", "i32"), ("slots", "i32"),
+        ("n_tokens", "i32"), ("n_chunk_rows", "i32"), ("slots", "i32"),
         ("o", "in"), ("ht", "*fp32"),
     ),
 }
@@ -149,31 +149,36 @@ _ARGS = {
 _ARGS.update({
     "kda_bwd_state_kernel": (
         ("w", "work"), ("u", "work"), ("kt", "work"), ("gl", "*fp32"), ("h0", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("h", "*fp32"), ("vn", "work"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("n_tokens", "i32"),
+        ("n_chunk_rows", "i32"), ("h", "*fp32"), ("vn", "work"),
     ),
     "kda_bwd_dstate_kernel": (
         ("qg", "work"), ("kt", "work"), ("w", "work"), ("aqk", "work"), ("gl", "*fp32"),
         ("do", "in"), ("dht", "*fp32"), ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"),
+        ("n_tokens", "i32"), ("n_chunk_rows", "i32"),
         ("dh", "*fp32"), ("dvn", "work"), ("dh0", "*fp32"),
     ),
     "kda_bwd_inter_kernel": (
         ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("h", "*fp32"), ("dh", "*fp32"),
         ("vn", "work"),
         ("dvn", "work"), ("do", "in"), ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("n_bounds", "i32"), ("n_tokens", "i32"),
         ("dq", "*fp32"), ("dk", "*fp32"), ("dg", "*fp32"), ("dw", "*fp32"),
     ),
     "kda_bwd_wy_kernel": (
         ("k", "in"), ("v", "in"), ("gc", "*fp32"), ("beta", "in"), ("x", "*fp32"), ("w", "work"),
         ("u", "work"), ("vn", "work"), ("dvn", "work"), ("do", "in"), ("dk_p", "*fp32"),
         ("dg_p", "*fp32"), ("dw", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"),
+        ("n_tokens", "i32"),
         ("dv", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"), ("dl", "*fp32"),
         ("daqk", "*fp32"), ("dbeta", "*fp32"),
     ),
     "kda_bwd_intra_kernel": (
         ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("beta", "in"), ("dl", "*fp32"),
         ("daqk", "*fp32"), ("dq_p", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"),
+        ("n_tokens", "i32"),
         ("dq", "*fp32"), ("dk", "*fp32"), ("dg", "*fp32"), ("dbeta_k", "*fp32"),
     ),
 })

@@ -65,14 +65,56 @@ def _scatter_tokens(y, slot_of_token):
     return jnp.take(flat, slot_of_token, axis=0, mode="fill", fill_value=0)
 
 
+def _batch_valid(batch: VarlenBatch) -> jax.Array:
+    """bool scalar: whether the batch's metadata is what
+    :func:`kda_jax.bounds.bucketed_metadata` builds from the bounds it holds
+    (the host check of a NumPy buffer, made on the device for a device buffer:
+    every table but the padding between them, which nothing reads)."""
+    bucket = batch.bucket
+    nb, cs = bucket.max_seqs, bucket.chunk_size
+    n, t, nc, c = (batch.table("header")[i] for i in range(4))
+    cu, co, ct = batch.table("cu_seqlens"), batch.table("chunk_offsets"), batch.table("chunk_table")
+    slot = jnp.arange(nb + 2, dtype=jnp.int32)
+    ok = ((n >= 1) & (n <= nb) & (t >= 0) & (t <= bucket.max_tokens) & (nc >= 0)
+          & (nc <= bucket.max_chunks) & (c == cs) & (cu[0] == 0))
+    ok &= jnp.all((cu[1:] >= cu[:-1]) | (slot[1:] > n))  # non-decreasing up to cu[n]
+    ok &= jnp.all((cu == t) | (slot < n))  # cu[n] == T, and T repeated after it
+    lens = jnp.where(slot[:-1] < n, cu[1:] - cu[:-1], 0)
+    if bucket.max_len is not None:
+        ok &= jnp.all(lens <= bucket.max_len)
+    expected_co = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + cs - 1) // cs)])
+    ok &= jnp.all(co == expected_co) & (expected_co[-1] == nc)
+    row = jnp.arange(bucket.max_chunks, dtype=jnp.int32)
+    seq = jnp.searchsorted(expected_co[1:], row, side="right").astype(jnp.int32)
+    seq = jnp.clip(seq, 0, nb)
+    real = row < nc
+    ok &= jnp.all(ct[:, 0] == jnp.where(real, seq, nb))
+    ok &= jnp.all(ct[:, 1] == jnp.where(real, row - expected_co[seq], 0))
+    return ok
+
+
+def _poison(x, tables):
+    """``x``, or NaN throughout when the tables come from a batch whose
+    metadata fails :func:`_batch_valid` (a device buffer cannot be checked on
+    the host: a result from a corrupt buffer must not pass for a result)."""
+    if isinstance(tables, dict):
+        return jnp.where(tables["valid"], x, jnp.nan).astype(x.dtype)
+    return x
+
+
 def _bucketed_tables(batch: VarlenBatch, chunk_size: int) -> dict[str, jax.Array]:
     """The :class:`LaneSchedule` tables of a one-lane schedule, from the batch's
     metadata on the device: slot s holds chunk-table row s (token s when
     ``chunk_size`` is 1). Padded rows point at the empty sentinel sequence
-    (so hold only padding); token rows past the real end map to no slot."""
+    (so hold only padding); token rows past the real end map to no slot.
+
+    Every value read from the metadata is clipped into its range first (a
+    no-op for a valid batch), so that each gather and scatter index below is
+    in range by construction, whatever the buffer holds; "valid" is
+    :func:`_batch_valid`, which turns the results into NaN when False."""
     nb, tb = batch.bucket.max_seqs, batch.bucket.max_tokens
-    cu = batch.table("cu_seqlens")  # [nb + 2]
-    t_real = batch.table("header")[1]
+    cu = jnp.clip(batch.table("cu_seqlens"), 0, tb)  # [nb + 2]
+    t_real = jnp.clip(batch.table("header")[1], 0, tb)
     i32 = jnp.int32
     tok = jnp.arange(tb, dtype=i32)
     live = tok < t_real
@@ -92,9 +134,10 @@ def _bucketed_tables(batch: VarlenBatch, chunk_size: int) -> dict[str, jax.Array
         last_slot = jnp.where(nonempty, cu[1 : nb + 1] - 1, slots)
     else:
         slots = batch.bucket.max_chunks
-        co = batch.table("chunk_offsets")
+        co = jnp.clip(batch.table("chunk_offsets"), 0, slots)
         ct = batch.table("chunk_table")
-        seq_at, j = ct[:, 0], ct[:, 1]
+        seq_at = jnp.clip(ct[:, 0], 0, nb)
+        j = jnp.clip(ct[:, 1], 0, -(-tb // chunk_size))
         start = cu[seq_at] + j * chunk_size
         rows = start[:, None] + jnp.arange(chunk_size, dtype=i32)[None, :]
         has = cu[seq_at + 1] > cu[seq_at]
@@ -113,6 +156,7 @@ def _bucketed_tables(batch: VarlenBatch, chunk_size: int) -> dict[str, jax.Array
         "seq_of_slot": column(jnp.where(first, seq_at, nb)),
         "last_slot": last_slot,
         "seq_ending": column(jnp.where(ending, seq_at, nb)),
+        "valid": _batch_valid(batch),
     }
 
 
@@ -237,7 +281,7 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     o = jnp.matmul(q * jnp.exp(G), h, precision=_HI) * scale
     o = o + jnp.matmul(Aqk, v_new, precision=_HI)
     o = _scatter_tokens(jnp.moveaxis(o, 3, 2), tables["slot_of_token"])
-    o = o.reshape(b, t, hv, vd).astype(out_dtype)
+    o = _poison(o.reshape(b, t, hv, vd), tables).astype(out_dtype)
     if not opts.output_final_state:
         return o, None
 
@@ -249,7 +293,7 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
         jnp.swapaxes(pick(k_tail), -1, -2), pick(v_new), precision=_HI
     )
     empty = last == steps * lanes  # from the packed table: no second metadata constant
-    final = jnp.where(empty[:, None, None, None], h_init[:-1], after)
+    final = _poison(jnp.where(empty[:, None, None, None], h_init[:-1], after), tables)
     return o, _finish_state(final, opts.state_v_first)
 
 
@@ -288,7 +332,7 @@ def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     xs = (q, k, v, g, beta, first, tables["seq_of_slot"], tables["seq_ending"])
     (_, finals), o = jax.lax.scan(step, (state0, finals0), xs)
     o = _scatter_tokens(o[:, :, None], tables["slot_of_token"])
-    o = o.reshape(b, t, hv, vd).astype(out_dtype)
+    o = _poison(o.reshape(b, t, hv, vd), tables).astype(out_dtype)
     if not opts.output_final_state:
         return o, None
-    return o, _finish_state(finals[:n], opts.state_v_first)
+    return o, _finish_state(_poison(finals[:n], tables), opts.state_v_first)

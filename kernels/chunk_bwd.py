@@ -38,7 +38,8 @@ v_new, dv_new [T, HV, V] and w, qg, kt, aqk as the forward's (work dtype);
 X, dL and scale * dAqk [T, HV, BT] fp32; partial dq, dk, dG and dw
 [T, HV, K] fp32. dq and dk are per value head (the caller sums a GVA group);
 dbeta comes in two parts (the wy kernel's [T, HV] and the intra kernel's
-[T, HV, NK]) that the caller adds. Varlen metadata as chunk_fwd.
+[T, HV, NK]) that the caller adds. Varlen metadata as chunk_fwd, clamped by
+kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
 have exponents <= 0, and the products' backward anchors on the chunk's middle
@@ -50,17 +51,14 @@ import triton.language as tl
 
 from .chunk_fwd import ANCHOR_SPAN, _anchor_rows, _dot, _g_rows, _g_tile, _row_of, _tile
 from .state_io import load_state, next_k_block, state_offsets, store_state
+from .varlen import chunk_span, seq_chunks, seq_span
 
 
 @triton.jit
-def _chunk_rows(meta, off_cu, off_ct, i_c, BT: tl.constexpr):
+def _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT: tl.constexpr):
     """Rows of chunk-table entry i_c: (first row t0, rows in the chunk n_rows,
     o_t = 0..BT-1, rows = t0 + o_t, the mask o_t < n_rows, rows as int64)."""
-    i_n = tl.load(meta + off_ct + 2 * i_c)
-    i_j = tl.load(meta + off_ct + 2 * i_c + 1)
-    bos = tl.load(meta + off_cu + i_n)
-    eos = tl.load(meta + off_cu + i_n + 1)
-    t0 = bos + i_j * BT
+    t0, eos = chunk_span(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
     rows = t0 + o_t
@@ -87,7 +85,7 @@ def _col_of(b_x, o_t, j):
 
 @triton.jit
 def kda_bwd_state_kernel(
-    w, u, kt, gl, h0, meta, off_cu, off_co,
+    w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows,
     h, vn,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
@@ -97,10 +95,8 @@ def kda_bwd_state_kernel(
     (h, fp32) and v_new; one program per (sequence, value head, V block).
     SPLIT_K: the state is two [BK, BV] tiles, as the forward's."""
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(meta + off_cu + i_n)
-    eos = tl.load(meta + off_cu + i_n + 1)
-    c0 = tl.load(meta + off_co + i_n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
+    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     m_v = o_v < V
@@ -146,7 +142,7 @@ def kda_bwd_state_kernel(
 
 @triton.jit
 def kda_bwd_dstate_kernel(
-    qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co,
+    qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co, n_tokens, n_chunk_rows,
     dh, dvn, dh0,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
@@ -158,10 +154,8 @@ def kda_bwd_dstate_kernel(
     fp32), dv_new, and the initial state's gradient. SPLIT_K: dS is two
     [BK, BV] tiles, as the forward's state."""
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(meta + off_cu + i_n)
-    eos = tl.load(meta + off_cu + i_n + 1)
-    c0 = tl.load(meta + off_co + i_n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
+    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     m_v = o_v < V
@@ -242,7 +236,7 @@ def kda_bwd_dstate_kernel(
 
 @triton.jit
 def kda_bwd_inter_kernel(
-    q, k, gc, h, dh, vn, dvn, do, meta, off_cu, off_ct,
+    q, k, gc, h, dh, vn, dvn, do, meta, off_cu, off_ct, n_bounds, n_tokens,
     dq, dk, dg, dw,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -255,7 +249,8 @@ def kda_bwd_inter_kernel(
     kernel hands to every row of the chunk."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     i_c64 = i_c.to(tl.int64)
@@ -354,7 +349,8 @@ def _x_transposed(x, p_tt, m_t):
 
 @triton.jit
 def kda_bwd_wy_kernel(
-    k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw, meta, off_cu, off_ct,
+    k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw, meta, off_cu, off_ct, n_bounds,
+    n_tokens,
     dv, dk_w, dg_w, dl, daqk, dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -370,7 +366,8 @@ def kda_bwd_wy_kernel(
     "tf32x3"); do v_new^T and dv_new u^T multiply 16-bit intermediates
     natively (exact products) and take DOT_X only for float32 ones."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     i_h = i_hv // (HV // H)
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
@@ -494,7 +491,7 @@ def _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast
 
 @triton.jit
 def kda_bwd_intra_kernel(
-    q, k, gc, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct,
+    q, k, gc, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct, n_bounds, n_tokens,
     dq, dk, dg, dbeta_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, DOT_A: tl.constexpr, LOOP_K: tl.constexpr,
@@ -508,7 +505,8 @@ def kda_bwd_intra_kernel(
     one column per program along K (NK = 1 with LOOP_K)."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)

@@ -17,7 +17,9 @@ Layouts (tokens of all sequences packed along T):
   gc [T, HV, K] fp32 (the prepare kernel's scratch: G);
   states [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST) fp32.
 Varlen comes from one int32 metadata buffer: cu_seqlens at ``off_cu``,
-chunk_offsets at ``off_co`` and the (sequence, chunk) table at ``off_ct``.
+chunk_offsets at ``off_co`` and the (sequence, chunk) table at ``off_ct``,
+read through kernels.varlen, which clamps every index taken from it to the
+arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 
 The prepare kernel works on whole-chunk tiles [BT, BK]. Every exponent of a
 decay factor is bounded: the intra-chunk products anchor on the middle row of
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .state_io import load_state, next_k_block, state_offsets, store_state
+from .varlen import chunk_span, seq_chunks, seq_span
 
 
 @triton.jit
@@ -224,7 +227,7 @@ def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
 
 @triton.jit
 def kda_fwd_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, meta, off_cu, off_ct,
+    q, k, v, g, beta, A_log, dt_bias, meta, off_cu, off_ct, n_bounds, n_tokens,
     w, u, qg, kt, aqk, gl, x, gc,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -242,11 +245,7 @@ def kda_fwd_prepare_kernel(
     and passes 1 and 2 read G instead of recomputing it."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(meta + off_ct + 2 * i_c)
-    i_j = tl.load(meta + off_ct + 2 * i_c + 1)
-    bos = tl.load(meta + off_cu + i_n)
-    eos = tl.load(meta + off_cu + i_n + 1)
-    t0 = bos + i_j * BT
+    t0, eos = chunk_span(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
     rows = t0 + o_t
@@ -356,7 +355,7 @@ def kda_fwd_prepare_kernel(
 @triton.jit
 def kda_fwd_state_output_kernel(
     w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, n_seqs, n_tokens,
-    slots,
+    n_chunk_rows, slots,
     o, ht,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
@@ -379,14 +378,14 @@ def kda_fwd_state_output_kernel(
     real end, which belong to no sequence.
     """
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(meta + off_cu + i_n)
+    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     m_v = o_v < V
     if i_n < n_seqs:
         _state_output_sequence(
-            w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, slots, o, ht,
-            i_n, i_hv, bos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
+            w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_co, n_chunk_rows, slots,
+            o, ht, i_n, i_hv, bos, eos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
             STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, DOT, SPLIT_K)
     else:
         b_zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
@@ -398,17 +397,15 @@ def kda_fwd_state_output_kernel(
 
 @triton.jit
 def _state_output_sequence(
-    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, slots, o, ht,
-    i_n, i_hv, bos, o_v, o_t, m_v,
+    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_co, n_chunk_rows, slots, o, ht,
+    i_n, i_hv, bos, eos, o_v, o_t, m_v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     INDEXED_STATE: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """The state pass and output of sequence i_n (kda_fwd_state_output_kernel's body)."""
-    eos = tl.load(meta + off_cu + i_n + 1)
-    c0 = tl.load(meta + off_co + i_n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
 
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     b_h = load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV,

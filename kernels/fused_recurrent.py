@@ -15,7 +15,8 @@ rounding.
 Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV]; o [T, HV, V];
   states [rows, HV, K, V] ([rows, HV, V, K] with STATE_V_FIRST), float32.
-Varlen comes from one int32 metadata buffer with cu_seqlens at ``off_cu``;
+Varlen comes from one int32 metadata buffer with cu_seqlens at ``off_cu``
+(bounds clamped to [0, n_tokens] by kernels.varlen, whatever the buffer holds);
 with UNIFORM (host bounds whose sequences all have SEQ_LEN tokens, e.g. a decode
 step of one token each) sequence n spans [n * SEQ_LEN, (n + 1) * SEQ_LEN) and no
 bound is loaded: the loads of a program's tokens then wait on nothing.
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .state_io import load_state, state_offsets, store_state_row
+from .varlen import seq_span
 
 
 @triton.jit
@@ -93,14 +95,15 @@ def kda_fused_recurrent_kernel(
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if UNIFORM:
         bos = i_n * SEQ_LEN
+        eos = bos + SEQ_LEN
     else:
-        bos = tl.load(meta + off_cu + i_n)
+        bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     if i_n < n_seqs:
         _recurrent_sequence(
-            q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
-            o, ht, i_n, i_hv, bos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM,
+            q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, slots,
+            o, ht, i_n, i_hv, bos, eos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM,
             USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID,
             BETA_SCALE, USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE,
             UNIFORM, SEQ_LEN, LOOP_STAGES)
@@ -116,8 +119,8 @@ def kda_fused_recurrent_kernel(
 
 @triton.jit
 def _recurrent_sequence(
-    q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
-    o, ht, i_n, i_hv, bos, o_v, m_v,
+    q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, slots,
+    o, ht, i_n, i_hv, bos, eos, o_v, m_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
@@ -129,11 +132,6 @@ def _recurrent_sequence(
 ):
     """Sequence i_n's tokens in order (kda_fused_recurrent_kernel's body)."""
     i_h = i_hv // (HV // H)
-    if UNIFORM:
-        eos = bos + SEQ_LEN
-    else:
-        eos = tl.load(meta + off_cu + i_n + 1)
-
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     # A pool's write row is loaded now, beside the read row, not after the
     # tokens: the final store then does not wait on a load of its own.

@@ -167,7 +167,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     prep = recompute_launch(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work)
     w, u, qg, kt, aqk, gl, x, gc = launch(
         getattr(kernels("chunk_fwd"), prep.kernel),
-        q, k, v, g, beta, dummy, dummy, meta_dev, off_cu, off_ct,
+        q, k, v, g, beta, dummy, dummy, meta_dev, off_cu, off_ct, n, tokens,
         grid=(n_chunks, hv, 1),
         out_shape=[sds(tk_shape, work), sds(tv_shape, work), sds(tk_shape, work),
                    sds(tk_shape, work), sds((tokens, hv, bt), work),
@@ -179,13 +179,14 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     n_v = -(-vd // L["kda_bwd_state_kernel"].constexprs["BV"])
     h0 = dummy if initial_state is None else initial_state.astype(f32)
     hs, vn = run(
-        "kda_bwd_state_kernel", w, u, kt, gl, h0, meta_dev, off_cu, off_co,
+        "kda_bwd_state_kernel", w, u, kt, gl, h0, meta_dev, off_cu, off_co, tokens, n_chunks,
         grid=(n, hv, n_v),
         out_shape=[sds((n_chunks, hv, kd, vd), f32), sds(tv_shape, work)])
 
     dht_in = dummy if dht is None else dht.astype(f32)
     dhs, dvn, dh0 = run(
         "kda_bwd_dstate_kernel", qg, kt, w, aqk, gl, do, dht_in, meta_dev, off_cu, off_co,
+        tokens, n_chunks,
         grid=(n, hv, n_v),
         out_shape=[sds((n_chunks, hv, kd, vd), f32), sds(tv_shape, work),
                    sds(state_shape if initial_state is not None else (4,), f32)])
@@ -193,12 +194,13 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
     dq_p, dk_p, dg_p, dw = run(
         "kda_bwd_inter_kernel", q, k, gc, hs, dhs, vn, dvn, do, meta_dev, off_cu, off_ct,
+        n, tokens,
         grid=(n_chunks, hv, n_k), out_shape=[sds(tk_shape, f32)] * 4)
 
     tt_shape = (tokens, hv, bt)
     dv, dk_w, dg_w, dl, daqk, dbeta = run(
         "kda_bwd_wy_kernel", k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw,
-        meta_dev, off_cu, off_ct,
+        meta_dev, off_cu, off_ct, n, tokens,
         grid=(n_chunks, hv, 1),
         out_shape=[sds(tv_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
                    sds(tt_shape, f32), sds(tt_shape, f32), sds((tokens, hv), f32)])
@@ -207,7 +209,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     n_k = 1 if intra["LOOP_K"] else -(-kd // intra["BK"])
     dq, dk, dg, dbeta_k = run(
         "kda_bwd_intra_kernel", q, k, gc, beta, dl, daqk, dq_p, dk_w, dg_w,
-        meta_dev, off_cu, off_ct,
+        meta_dev, off_cu, off_ct, n, tokens,
         grid=(n_chunks, hv, n_k),
         out_shape=[sds(tk_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
                    sds((tokens, hv, n_k), f32)])

@@ -177,7 +177,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
             q, k, v, g, beta,
             dummy if A_log is None else A_log.astype(f32),
             dummy if dt_bias is None else dt_bias.astype(f32),
-            meta.buffer, meta.off_cu, meta.off_ct,
+            meta.buffer, meta.off_cu, meta.off_ct, meta.num_bounds, tokens,
             grid=(meta.chunk_programs, hv, 1),
             out_shape=[
                 jax.ShapeDtypeStruct((tokens, hv, kd), work),
@@ -199,7 +199,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     o, ht = launch(
         getattr(mod, state.kernel),
         w, u, qg, kt, aqk, gl, st.h0, st.read_idx, st.write_idx,
-        meta.buffer, meta.off_cu, meta.off_co, n, tokens, st.slots,
+        meta.buffer, meta.off_cu, meta.off_co, n, tokens, meta.chunk_programs, st.slots,
         grid=(meta.seq_programs, hv, -(-vd // state.constexprs["BV"])),
         out_shape=[
             jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), q.dtype),
