@@ -183,6 +183,7 @@ def matrix_cycles(target: str, ops: dict, num_warps: int) -> dict:
     sum(count x cost) x ceil(num_warps / 4). Returns ``{"cycles": int | None,
     "estimated": [opcodes priced by estimate], "uncosted": [opcodes not in COST]}``
     (``cycles`` None when nothing could be priced but ops exist)."""
+    family_of(target)  # an unknown target raises, ops or not
     total, estimated, uncosted = 0.0, [], []
     for op, n in sorted(ops.items()):
         cost = instruction_cycles(target, op)
