@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the forward and backward kernels, with no GPU present.
 
-    python -m kda_jax.aot --targets gfx950,gfx1250,gfx942,sm90 --json PATH
+    python -m kda_jax.aot --targets gfx950,gfx1250,gfx942,sm90 --json PATH --summary PATH
 
 Compiles every kernel of ``kda_jax.kernels.chunk_fwd`` and ``chunk_bwd`` for
 each target at that target's shipped config (``kda_jax.configs.FORWARD`` and
@@ -24,6 +24,14 @@ writes JSON, and exits 1 when a compile fails or a kernel spills to memory:
   64-warp limit.
 
 ``lds_bytes`` is ``compiled.metadata.shared`` (what a launch allocates).
+
+Each row also has the matrix instructions by opcode and an estimated
+matrix-core cycle count per program (:mod:`kda_jax.aot_isa`, fields in
+:func:`_matrix_fields`): static counts from the AMDGCN or PTX, scaled by the
+loop trip counts the constexprs fix; a proxy, not a measurement. ``--json``
+writes every row (CI output, not committed); ``--summary`` the small file
+committed as ``bench/results/aot-summary.json`` (:func:`summary`). The
+printout ends with one line per kernel and target.
 """
 
 from __future__ import annotations
