@@ -255,6 +255,14 @@ def _walk(asm: str, backend: str):
     frames: the (file basename, line) of the instruction's ``.loc`` and of
     the call sites it was inlined at."""
     files = {i: os.path.basename(p) for i, p in _files(asm, backend).items()}
+    # PTX's .loc names one call site (inlined_at), not the chain: the call
+    # sites of a location, from the lines where it is the innermost one,
+    # complete it (a helper called from two places gets both).
+    callers: dict = {}
+    for lm in map(_LOC.match, asm.splitlines()):
+        if lm and lm.group(4) and int(lm.group(2)) and int(lm.group(5)):
+            callers.setdefault((files.get(int(lm.group(1)), "?"), int(lm.group(2))), set()).add(
+                (files.get(int(lm.group(4)), "?"), int(lm.group(5))))
     block_re, comment = _BLOCK[backend], _COMMENT[backend]
     parents: dict = {}
     insts = []
@@ -289,6 +297,12 @@ def _walk(asm: str, backend: str):
             if lm.group(4) and int(lm.group(5)):
                 fs.append((files.get(int(lm.group(4)), "?"), int(lm.group(5))))
             fs += [(f, int(n)) for f, n in _FRAME.findall(text)[1:]]
+            todo = list(fs[1:] or fs)
+            while todo and len(fs) < 32:
+                for c in sorted(callers.get(todo.pop(0), ())):
+                    if c not in fs:
+                        fs.append(c)
+                        todo.append(c)
             frames = tuple(dict.fromkeys(fs))
             continue
         if stripped.startswith(".") or stripped.endswith(":"):

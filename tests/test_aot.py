@@ -221,3 +221,24 @@ def test_committed_summary_lists_every_kernel_and_target():
             assert e["spec"] == aot.SUMMARY_SPEC, (kernel, target)
             assert e["all_specs"]["compiles"] == len(aot.SPECS), (kernel, target)
             assert e["all_specs"]["failed"] == 0 and e["all_specs"]["spilled"] == 0
+
+
+def test_ptx_call_chain_completed_from_other_lines(src):
+    # Each .loc of PTX names one call site: the loop's product sits in a
+    # helper (line 20) called at line 21, itself called at line 7 in the K
+    # loop, which only another .loc line says.
+    ptx = """\
+$L__BB0_1:                              // =>This Inner Loop Header: Depth=1
+\t.loc\t1 21 3, function_name $L__info_string1, inlined_at 1 7 5 // src.py:21:3
+\tmov.b32 \t%r1, %r2;
+\t.loc\t1 20 5, function_name $L__info_string0, inlined_at 1 21 3 // src.py:20:5
+\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {{%r1}}, %rd1, %rd2, p, 1, 1, 0, 1;
+\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {{%r1}}, %rd1, %rd2, p, 1, 1, 0, 1;
+\t@%p2 bra \t$L__BB0_1;
+\tret;
+\t.file\t1 "{dir}/src.py"
+"""
+    prof = aot_isa.matrix_profile(ptx.format(dir=src), "cuda", {"K": 128, "BK": 32})
+    assert prof["matrix_loops"][0]["loop"] == "src.py:6 for ks in range(0, K, BK)"
+    assert prof["matrix_ops_per_program"] == {
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16": 8}
