@@ -88,7 +88,7 @@ def gate(
     if lower_bound is None:
         # -exp(A_log) * softplus(x), in the log domain; the exponent's cap is the floor.
         z = A_log.astype(jnp.float32)[:, None] + log_softplus(x)
-        return -jnp.exp(jnp.minimum(z, LOG_NEG_FLOOR))
+        return jnp.maximum(-jnp.exp(jnp.minimum(z, LOG_NEG_FLOOR)), GATE_FLOOR)
     x = jnp.clip(x, -_F32_MAX, _F32_MAX)
     if A_log is not None:
         a = jnp.exp(jnp.minimum(A_log.astype(jnp.float32), A_LOG_CAP))[:, None]

@@ -258,21 +258,27 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     first = tables["first"].astype(bool)
     seq_of_slot = tables["seq_of_slot"]
 
-    def step(state, xs):
+    # The carried state stays finite (the sanitized computation); a flag per
+    # lane and head says whether its sequence was poisoned before the chunk,
+    # and the NaNs go on the outputs only, as selects: no cotangent meets a NaN.
+    def step(carry, xs):
+        state, flag = carry
         w_s, u_s, kt_s, dl_s, first_s, seq_s, bad_s = xs
         state = jnp.where(first_s[:, None, None, None], h_init[seq_s], state)
+        flag = jnp.where(first_s[:, None], False, flag)
         v_new = u_s - jnp.matmul(w_s, state, precision=_HI)
         nxt = dl_s * state + jnp.matmul(jnp.swapaxes(kt_s, -1, -2), v_new, precision=_HI)
-        nxt = jnp.where(bad_s[..., None, None], jnp.nan, nxt)
-        return nxt, (state, v_new)
+        return (nxt, flag | bad_s), (state, v_new, flag)
 
     state0 = jnp.zeros((lanes, hv, kd, vd), jnp.float32)
+    flag0 = jnp.zeros((lanes, hv), bool)
     xs = (w, u, k_tail, decay_last, first, seq_of_slot, chunk_poisoned)
-    _, (h, v_new) = jax.lax.scan(step, state0, xs)
+    _, (h, v_new, before) = jax.lax.scan(step, (state0, flag0), xs)
+    chunk_poisoned = chunk_poisoned | before  # the state after the chunk is NaN
 
     o = jnp.matmul(q * jnp.exp(G), h, precision=_HI) * scale
     o = o + jnp.matmul(Aqk, v_new, precision=_HI)
-    o = jnp.where((poisoned | q_bad)[..., None], jnp.nan, o)
+    o = jnp.where((poisoned | q_bad | before[..., None])[..., None], jnp.nan, o)
     o = _scatter_tokens(jnp.moveaxis(o, 3, 2), tables["slot_of_token"])
     o = o.reshape(b, t, hv, vd).astype(out_dtype)
     if not opts.output_final_state:
@@ -311,25 +317,28 @@ def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     first = tables["first"].astype(bool)
 
     def step(carry, xs):
-        state, finals = carry
+        state, flag, finals = carry
         q_s, k_s, v_s, g_s, b_s, bad_s, qbad_s, first_s, seq_s, end_s = xs
         state = jnp.where(first_s[:, None, None, None], h_init[seq_s], state)
         state = jnp.exp(g_s)[..., None] * state
         kv = jnp.einsum("lhk,lhkv->lhv", k_s, state, precision=_HI)
         state = state + (b_s[..., None] * k_s)[..., None] * (v_s - kv)[..., None, :]
-        # A non-finite input poisons the state from its token on (a select:
-        # the gradients of earlier tokens stay finite).
-        state = jnp.where(bad_s[..., None, None], jnp.nan, state)
         o_s = scale * jnp.einsum("lhk,lhkv->lhv", q_s, state, precision=_HI)
-        o_s = jnp.where(qbad_s[..., None], jnp.nan, o_s)
+        # A non-finite input poisons the state from its token on: the carried
+        # state stays the sanitized one and the flag puts NaN on the outputs,
+        # as selects (no cotangent meets a NaN).
+        flag = jnp.where(first_s[:, None], False, flag) | bad_s
+        o_s = jnp.where((qbad_s | flag)[..., None], jnp.nan, o_s)
+        filed = jnp.where(flag[..., None, None], jnp.nan, state)
         # Lanes whose sequence ends here file its state; others write row N.
-        finals = finals.at[end_s].set(state) if opts.output_final_state else finals
-        return (state, finals), o_s
+        finals = finals.at[end_s].set(filed) if opts.output_final_state else finals
+        return (state, flag, finals), o_s
 
     state0 = jnp.zeros((lanes, hv, kd, vd), jnp.float32)
+    flag0 = jnp.zeros((lanes, hv), bool)
     finals0 = h_init if opts.output_final_state else jnp.zeros((0,), jnp.float32)
     xs = (q, k, v, g, beta, poison, q_bad, first, tables["seq_of_slot"], tables["seq_ending"])
-    (_, finals), o = jax.lax.scan(step, (state0, finals0), xs)
+    (_, _, finals), o = jax.lax.scan(step, (state0, flag0, finals0), xs)
     o = _scatter_tokens(o[:, :, None], tables["slot_of_token"])
     o = o.reshape(b, t, hv, vd).astype(out_dtype)
     if not opts.output_final_state:

@@ -409,8 +409,9 @@ def kda_fwd_prepare_kernel(
             p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
             tl.store(qg + p_tk, b_nan.to(qg.dtype.element_ty),
                      mask=b_nan_rows[:, None] & m_k[None, :])
-            tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k,
-                     tl.full([BK], float("nan"), tl.float32), mask=m_k & (b_first < BT))
+            if b_first < BT:
+                tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k,
+                         tl.full([BK], float("nan"), tl.float32), mask=m_k)
 
 
 @triton.jit
