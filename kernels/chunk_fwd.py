@@ -91,13 +91,14 @@ def _tile_checked(x, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr)
 
 
 @triton.jit
-def _log_decay_tile(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k,
+def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
                     HV: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr,
                     HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                     HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
     """The per-token log-decay [BT, BK] (the gate applied, floored at
     GATE_FLOOR; 0 on rows past the sequence and where the raw g poisons the
-    recurrence), and which rows held such a g ([BT] int1)."""
+    recurrence), and which rows held such a g ([BT] int1). b_alog: the head's
+    A_log (float32 scalar, loaded once by the caller; unused without it)."""
     p = g + (rows.to(tl.int64) * HV + i_hv)[:, None] * K + o_k[None, :]
     m = m_t[:, None] & m_k[None, :]
     b_g = tl.load(p, mask=m, other=0.).to(tl.float32)
@@ -107,9 +108,6 @@ def _log_decay_tile(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k,
         if HAS_DT_BIAS:
             b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
             b_g = b_g + b_dt[None, :]
-        b_alog = 0.
-        if HAS_A_LOG or not HAS_LOWER_BOUND:
-            b_alog = tl.load(A_log + i_hv).to(tl.float32)
         b_g = gate(b_g, b_alog, HAS_A_LOG, HAS_LOWER_BOUND, LOWER_BOUND)
     b_g = tl.where(m, tl.maximum(b_g, GATE_FLOOR), 0.)
     return b_g, tl.max(b_bad.to(tl.int32), axis=1) > 0
@@ -249,7 +247,7 @@ def kda_fwd_prepare_kernel(
 
     Non-finite inputs: every load replaces the entries that would poison the
     recurrence by 0 (kernels/gate.py), and records the rows that held one.
-    At the end, if any row of the chunk did, qg is NaN from the first such
+    At the end, if any row of the chunk did, Aqk is NaN from the first such
     row of k, v, g or beta on (and on rows whose q held one), and so is gl:
     the state kernel's outputs from that row on and its state after the chunk
     are NaN, while earlier rows equal those of the inputs with zeros there."""
@@ -284,6 +282,10 @@ def kda_fwd_prepare_kernel(
         b_sq = _inv_norm(q, rows, m_t, i_h, H, K, BK, BT)
         b_sk = _inv_norm(k, rows, m_t, i_h, H, K, BK, BT)
 
+    b_alog = 0.
+    if USE_GATE and (HAS_A_LOG or not HAS_LOWER_BOUND):
+        b_alog = tl.load(A_log + i_hv).to(tl.float32)
+
     # Pass 0: G, the chunk-local cumsum of the log-decay, into the scratch
     # gc; then, from its anchor and last rows, exp(G_last) and one test for
     # the whole chunk of whether the anchored products are safe (a reduction
@@ -292,7 +294,7 @@ def kda_fwd_prepare_kernel(
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
-        b_g, b_bad = _log_decay_tile(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+        b_g, b_bad = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
         b_poison = b_poison | b_bad
@@ -333,7 +335,7 @@ def kda_fwd_prepare_kernel(
             b_aqk += _anchored_product(b_q, b_k, b_G, b_A, DOT_A)
             b_sfx = b_last[None, :] - b_G
         else:
-            b_g, _ = _log_decay_tile(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+            b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
             b_aqk += _pairwise_product(b_q, b_k, b_g, o_t, n_rows, BT)
@@ -360,7 +362,7 @@ def kda_fwd_prepare_kernel(
         if fast:
             b_akk += _anchored_product(b_k, b_k, b_G, b_A, DOT_A)
         else:
-            b_g, _ = _log_decay_tile(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+            b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
             b_akk += _pairwise_product(b_k, b_k, b_g, o_t, n_rows, BT)
@@ -396,22 +398,21 @@ def kda_fwd_prepare_kernel(
         b_vb = tl.where(b_bad, 0., b_vb) * b_b[:, None]
         tl.store(u + p_tv, _dot(b_x, b_vb, DOT_WU).to(u.dtype.element_ty), mask=m_tv)
 
-    # Poison (rare: one test per chunk): NaN over qg's rows from the first
-    # poisoning row on, and rows whose q was non-finite; NaN over gl.
+    # Poison (rare: one test per chunk): NaN over Aqk's rows from the first
+    # poisoning row on, and rows whose q was non-finite (o = qg h + Aqk v_new
+    # row by row); NaN over gl (the state after the chunk).
     b_first = tl.min(tl.where(b_poison & m_t, o_t, BT), axis=0)
     b_nan_rows = ((o_t >= b_first) | b_qbad) & m_t
     if tl.max(b_nan_rows.to(tl.int32), axis=0) > 0:
         tl.debug_barrier()  # after every store of passes 0 and 1
-        b_nan = tl.full([BT, BK], float("nan"), tl.float32)
-        for ks in range(0, K, BK):
-            o_k = ks + tl.arange(0, BK)
-            m_k = o_k < K
-            p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-            tl.store(qg + p_tk, b_nan.to(qg.dtype.element_ty),
-                     mask=b_nan_rows[:, None] & m_k[None, :])
-            if b_first < BT:
-                tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k,
-                         tl.full([BK], float("nan"), tl.float32), mask=m_k)
+        tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
+                 tl.full([BT, BT], float("nan"), tl.float32).to(aqk.dtype.element_ty),
+                 mask=b_nan_rows[:, None])
+        if b_first < BT:
+            o_k = tl.arange(0, BK)
+            for ks in range(0, K, BK):
+                tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ks + o_k,
+                         tl.full([BK], float("nan"), tl.float32), mask=ks + o_k < K)
 
 
 @triton.jit
