@@ -168,7 +168,7 @@ _ARGS.update({
         ("dh", "*fp32"), ("dvn", "work"), ("dh0", "*fp32"),
     ),
     "kda_bwd_inter_kernel": (
-        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("h", "*fp32"), ("dh", "*fp32"),
+        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("g", "in"), ("h", "*fp32"), ("dh", "*fp32"),
         ("vn", "work"),
         ("dvn", "work"), ("do", "in"), ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
         ("n_bounds", "i32"), ("n_tokens", "i32"),
@@ -184,7 +184,7 @@ _ARGS.update({
         ("daqk", "*fp32"), ("dbeta", "*fp32"),
     ),
     "kda_bwd_intra_kernel": (
-        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("beta", "in"), ("dl", "*fp32"),
+        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("g", "in"), ("beta", "in"), ("dl", "*fp32"),
         ("daqk", "*fp32"), ("dq_p", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"),
         ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"),
         ("n_tokens", "i32"),

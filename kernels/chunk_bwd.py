@@ -43,13 +43,17 @@ kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
 have exponents <= 0, and the products' backward anchors on the chunk's middle
-row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback.
+row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback. The
+inter kernel and that fallback take exponents that are differences of G as
+partial sums of the log-decays g (the caller floors g at GATE_FLOOR), with
+error relative to themselves, not to |G|.
 """
 
 import triton
 import triton.language as tl
 
-from .chunk_fwd import ANCHOR_SPAN, _anchor_rows, _dot, _g_rows, _g_tile, _row_of, _tile
+from .chunk_fwd import (ANCHOR_SPAN, _anchor_rows, _dot, _g_rows, _g_tile, _row_of,
+                        _suffix_exponent, _tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import chunk_span, seq_chunks, seq_span
 
@@ -75,6 +79,12 @@ def _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT: tl.constexpr, HV: tl.c
     b_A, b_last = _g_rows(gc, r_anchor, r_last, i_hv * K, o_k, m_k, n_rows, HV, K)
     p_tk = rows.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     return _g_tile(gc, p_tk, m_t, m_k, b_last), b_A, b_last
+
+
+@triton.jit
+def _g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
+    """The log-decays g [BT, BK] (float32; 0 on rows past the sequence)."""
+    return _tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
 
 
 @triton.jit
@@ -236,7 +246,7 @@ def kda_bwd_dstate_kernel(
 
 @triton.jit
 def kda_bwd_inter_kernel(
-    q, k, gc, h, dh, vn, dvn, do, meta, off_cu, off_ct, n_bounds, n_tokens,
+    q, k, gc, g, h, dh, vn, dvn, do, meta, off_cu, off_ct, n_bounds, n_tokens,
     dq, dk, dg, dw,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -281,9 +291,10 @@ def kda_bwd_inter_kernel(
     b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_eg = tl.exp(b_G)
-    b_kt = b_k * tl.exp(b_last[None, :] - b_G)
+    b_et = tl.exp(_suffix_exponent(_g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)))
+    b_kt = b_k * b_et
     b_dq = b_dqg * b_eg * SCALE
-    b_dk = b_dkt * tl.exp(b_last[None, :] - b_G)
+    b_dk = b_dkt * b_et
     b_dG = b_dqg * b_q * b_eg * SCALE - b_dkt * b_kt
     b_dlast = tl.sum(b_dkt * b_kt, axis=0) + b_dgl * tl.exp(b_last)
     b_dG += tl.where(o_t[:, None] == n_rows - 1, b_dlast[None, :], 0.)
@@ -297,10 +308,11 @@ def kda_bwd_inter_kernel(
 
 
 @triton.jit
-def _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dakk, b_daqs, o_t, n_rows,
+def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
                         BT: tl.constexpr, BK: tl.constexpr):
     """Backward of the intra-chunk products, one column j at a time with
-    pairwise decays e^(G_i - G_j) (i >= j, exponents <= 0): exact for any gate.
+    pairwise decays e^(G_i - G_j) (i >= j, exponents <= 0, summed from the
+    log-decays b_g of rows j + 1 .. i): exact for any gate.
 
     Returns (dq, dk, dG, P) for this K slice, P_i = sum_j dL_ij k_j e^(G_i - G_j)
     (dk gets beta * P and dbeta gets sum_K(k P) from the caller)."""
@@ -310,9 +322,9 @@ def _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dakk, b_daqs, o_t, n_rows,
     b_p = tl.zeros([BT, BK], dtype=tl.float32)
     for j in range(0, n_rows):
         b_kj = _row_of(b_k, o_t, j)
-        b_Gj = _row_of(b_G, o_t, j)
         m_i = o_t[:, None] >= j
-        b_e = tl.where(m_i, tl.exp(tl.where(m_i, b_G - b_Gj[None, :], 0.)), 0.)
+        b_d = tl.cumsum(tl.where(o_t[:, None] > j, b_g, 0.), axis=0)
+        b_e = tl.where(m_i, tl.exp(tl.where(m_i, b_d, 0.)), 0.)
         b_ke = b_e * b_kj[None, :]
         a_l = _col_of(b_dl, o_t, j)
         a_k = _col_of(b_dakk, o_t, j)
@@ -440,7 +452,7 @@ def _anchored_ok(gc, t0, n_rows, i_hv, BT: tl.constexpr, BK: tl.constexpr, HV: t
 
 
 @triton.jit
-def _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
+def _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
                  t0, n_rows, i_h, i_hv, ks, o_t, rows, m_t, r64,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                  BK: tl.constexpr, DOT_A: tl.constexpr):
@@ -476,7 +488,8 @@ def _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast
         b_dk += b_dkc * b_ec
         b_dG -= b_dkc * b_kc
     else:
-        e_dq, e_dk, e_dG, e_p = _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dl * b_b[:, None],
+        b_g = _g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+        e_dq, e_dk, e_dG, e_p = _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dl * b_b[:, None],
                                                     b_daqs, o_t, n_rows, BT, BK)
         b_db = tl.sum(e_p * b_k, axis=1)
         b_dk += e_dk + e_p * b_b[:, None]
@@ -491,7 +504,8 @@ def _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast
 
 @triton.jit
 def kda_bwd_intra_kernel(
-    q, k, gc, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct, n_bounds, n_tokens,
+    q, k, gc, g, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct, n_bounds,
+    n_tokens,
     dq, dk, dg, dbeta_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, DOT_A: tl.constexpr, LOOP_K: tl.constexpr,
@@ -515,11 +529,11 @@ def kda_bwd_intra_kernel(
     if LOOP_K:
         b_db = tl.zeros([BT], dtype=tl.float32)
         for ks in range(0, K, BK):
-            b_db += _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs,
+            b_db += _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs,
                                  fast, t0, n_rows, i_h, i_hv, ks, o_t, rows, m_t, r64,
                                  H, HV, K, BT, BK, DOT_A)
     else:
-        b_db = _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
+        b_db = _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
                             t0, n_rows, i_h, i_hv, i_k * BK, o_t, rows, m_t, r64,
                             H, HV, K, BT, BK, DOT_A)
     tl.store(dbeta_k + (r64 * HV + i_hv) * tl.num_programs(2) + i_k, b_db, mask=m_t)

@@ -31,40 +31,23 @@ ht[write_idx[n]]; an index outside [0, slots) reads zeros / writes nothing.
 The pool is passed as h0 and aliased to ht, so rows no sequence names keep
 their contents.
 
-Every exponent is <= 0: the decay exp(g) (g <= 0), and the sigmoid and
-softplus of the in-kernel transforms, which are written on -|x|.
+Every exponent is <= 0: the decay exp(g) (g <= 0, -inf included), and the
+in-kernel gate and sigmoid of kernels/gate.py, which never overflow.
 """
 
 import triton
 import triton.language as tl
 
+from .gate import gate, sigmoid
 from .state_io import load_state, state_offsets, store_state_row
 from .varlen import seq_span
 
 
 @triton.jit
-def _sigmoid(x):
-    """1 / (1 + e^-x), through e^-|x| for either sign of x."""
-    e = tl.exp(-tl.abs(x))
-    return tl.where(x >= 0, 1. / (1. + e), e / (1. + e))
-
-
-@triton.jit
-def _softplus(x):
-    """log(1 + e^x) as max(x, 0) + log(1 + e^-|x|); x itself above 20."""
-    return tl.where(x > 20., x, tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
-
-
-@triton.jit
-def _in_kernel_gate(b_g, b_dt, b_a, m, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
-    """The log-decay from raw gate values: lower_bound * sigmoid(a (g + dt_bias))
-    or -a softplus(g + dt_bias) (a = exp(A_log)); 0 where ``m`` is False."""
-    b_x = b_g + b_dt
-    if HAS_LOWER_BOUND:
-        b_g = LOWER_BOUND * _sigmoid(b_a * b_x)
-    else:
-        b_g = -b_a * _softplus(b_x)
-    return tl.where(m, b_g, 0.)
+def _in_kernel_gate(b_g, b_dt, b_alog, m, HAS_A_LOG: tl.constexpr,
+                    HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
+    """The log-decay from raw gate values (kernels/gate.py); 0 where ``m`` is False."""
+    return tl.where(m, gate(b_g + b_dt, b_alog, HAS_A_LOG, HAS_LOWER_BOUND, LOWER_BOUND), 0.)
 
 
 @triton.jit
@@ -142,11 +125,11 @@ def _recurrent_sequence(
                      USE_INITIAL_STATE, INDEXED_STATE)
 
     # Per-head gate parameters, loaded once.
-    b_a = 1.
+    b_alog = 0.
     b_dt = tl.zeros([BK], dtype=tl.float32)
     if USE_GATE:
-        if HAS_A_LOG:
-            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_A_LOG or not HAS_LOWER_BOUND:
+            b_alog = tl.load(A_log + i_hv).to(tl.float32)
         if HAS_DT_BIAS:
             b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
 
@@ -174,9 +157,10 @@ def _recurrent_sequence(
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
         if USE_GATE:
-            b_g = _in_kernel_gate(b_g, b_dt, b_a, m_k, HAS_LOWER_BOUND, LOWER_BOUND)
+            b_g = _in_kernel_gate(b_g, b_dt, b_alog, m_k, HAS_A_LOG, HAS_LOWER_BOUND,
+                                  LOWER_BOUND)
         if BETA_SIGMOID:
-            b_beta = _sigmoid(b_beta)
+            b_beta = sigmoid(b_beta)
         b_beta = b_beta * BETA_SCALE
 
         if UNIFORM:
