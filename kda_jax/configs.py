@@ -354,8 +354,6 @@ class BackwardConfig:
     wy_fp32_dot: the same with float32 inputs: "ieee" or "tf32x3".
     intra_block_k / intra_warps: the products' backward (grid chunks x heads
       x K blocks).
-    intra_loop_k: one intra program per chunk and head, looping over the K
-      blocks (loads the chunk's [BT, BT] dL and dAqk once, not once per block).
     product_dot: precision of the products' backward in the intra kernel
       (see ForwardConfig.prepare_dot).
     fp32_dot: precision of the state passes' and the inter kernel's products
@@ -388,7 +386,6 @@ class BackwardConfig:
     wy_fp32_dot: str = "ieee"
     intra_block_k: int = 32
     intra_warps: int = 4
-    intra_loop_k: bool = False
     product_dot: str = "ieee"
     fp32_dot: str = "ieee"
     prepare_fp32_block_k: int | None = None
@@ -429,12 +426,12 @@ BACKWARD = {
     # sm90: the largest blocks that compile without spills at every spec
     # (kda_jax.aot); tf32 products with 16-bit inputs, fp32-grade ones with
     # float32 inputs (docs/tuning.md, backward).
-    "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=4, prepare_dot="tf32",
-                           prepare_wu_dot="tf32x3", inverse_dot="tf32", state_block_v=16,
+    "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=4, prepare_dot="bf16x3",
+                           prepare_wu_dot="tf32x3", inverse_dot="bf16x3", state_block_v=16,
                            inter_block_k=32,
-                           wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="tf32",
+                           wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="bf16x3",
                            wy_fp32_dot="ieee",
-                           intra_block_k=32, intra_warps=8, product_dot="tf32",
+                           intra_block_k=16, intra_warps=8, product_dot="bf16x3",
                            fp32_dot="tf32x3", inter_block_v_fp32=32),
     # gfx950: the float32 reverse state pass at K = 128 takes 248 KiB of LDS at
     # two stages (160 KiB per workgroup).

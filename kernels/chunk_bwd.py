@@ -452,13 +452,33 @@ def _anchored_ok(gc, t0, n_rows, i_hv, BT: tl.constexpr, BK: tl.constexpr, HV: t
 
 
 @triton.jit
-def _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
-                 t0, n_rows, i_h, i_hv, ks, o_t, rows, m_t, r64,
-                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, DOT_A: tl.constexpr):
-    """kda_bwd_intra_kernel's work on the K block starting at ks: writes dq,
-    dk, dg there and returns its share of dbeta [BT]."""
-    o_k = ks + tl.arange(0, BK)
+def kda_bwd_intra_kernel(
+    q, k, gc, g, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct, n_bounds,
+    n_tokens,
+    dq, dk, dg, dbeta_k,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, DOT_A: tl.constexpr,
+):
+    """Per chunk, value head and K block: the intra-chunk products
+    Akk = k k^T e^(G_i - G_j) and Aqk = q k^T e^(G_i - G_j) back to q, k and G
+    (dAkk = beta dL, and scale * dAqk from the wy kernel), then dg = the
+    reverse cumsum of dG. Writes the final dq, dk, dg and dbeta's share
+    sum over K of k_i * sum_j dL_ij k_j e^(G_i - G_j): dbeta_k [T, HV, NK],
+    one column per program along K.
+
+    On the anchored path dL and dAqk are loaded each just before the two
+    products that take it, so that one [BT, BT] tile is live at a time: a
+    split-precision product (bf16x3) holds each operand twice."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
+    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
+    m_tt = m_t[:, None]
+    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+    fast = _anchored_ok(gc, t0, n_rows, i_hv, BT, BK, HV, K)
+
+    o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
@@ -474,20 +494,24 @@ def _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, f
         b_kr = b_k * b_er
         b_kc = b_k * b_ec
         b_qr = b_q * b_er
-        # One product at a time, each consumed at once (short live ranges).
+        # Each product consumed at once (short live ranges).
+        b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
         b_p = _dot(b_dl, b_kc, DOT_A)
         b_db = tl.sum(b_p * b_kr, axis=1)
         b_p = b_p * b_b[:, None]
         b_dk += b_p * b_er
         b_dG += b_p * b_kr
+        b_dkc = _dot(tl.trans(b_dl * b_b[:, None]), b_kr, DOT_A)
+        b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
         b_dqr = _dot(b_daqs, b_kc, DOT_A)
         b_dq += b_dqr * b_er
         b_dG += b_dqr * b_qr
-        b_dkc = _dot(tl.trans(b_dl * b_b[:, None]), b_kr, DOT_A)
         b_dkc += _dot(tl.trans(b_daqs), b_qr, DOT_A)
         b_dk += b_dkc * b_ec
         b_dG -= b_dkc * b_kc
     else:
+        b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
+        b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
         b_g = _g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
         e_dq, e_dk, e_dG, e_p = _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dl * b_b[:, None],
                                                     b_daqs, o_t, n_rows, BT, BK)
@@ -499,41 +523,4 @@ def _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, f
     tl.store(dq + p_tk, b_dq, mask=m_tk)
     tl.store(dk + p_tk, b_dk, mask=m_tk)
     tl.store(dg + p_tk, b_dg, mask=m_tk)
-    return b_db
-
-
-@triton.jit
-def kda_bwd_intra_kernel(
-    q, k, gc, g, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct, n_bounds,
-    n_tokens,
-    dq, dk, dg, dbeta_k,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, DOT_A: tl.constexpr, LOOP_K: tl.constexpr,
-):
-    """Per chunk and K block (or, with LOOP_K, per chunk, looping over the K
-    blocks so that dL and dAqk are loaded once): the intra-chunk products
-    Akk = k k^T e^(G_i - G_j) and Aqk = q k^T e^(G_i - G_j) back to q, k and G
-    (dAkk = beta dL, and scale * dAqk from the wy kernel), then dg = the
-    reverse cumsum of dG. Writes the final dq, dk, dg and dbeta's share
-    sum over K of k_i * sum_j dL_ij k_j e^(G_i - G_j): dbeta_k [T, HV, NK],
-    one column per program along K (NK = 1 with LOOP_K)."""
-    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
-                                                  n_tokens, BT)
-    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
-    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
-    b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)
-    b_daqs = tl.load(daqk + p_tt, mask=m_t[:, None], other=0.)
-    fast = _anchored_ok(gc, t0, n_rows, i_hv, BT, BK, HV, K)
-    if LOOP_K:
-        b_db = tl.zeros([BT], dtype=tl.float32)
-        for ks in range(0, K, BK):
-            b_db += _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs,
-                                 fast, t0, n_rows, i_h, i_hv, ks, o_t, rows, m_t, r64,
-                                 H, HV, K, BT, BK, DOT_A)
-    else:
-        b_db = _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
-                            t0, n_rows, i_h, i_hv, i_k * BK, o_t, rows, m_t, r64,
-                            H, HV, K, BT, BK, DOT_A)
     tl.store(dbeta_k + (r64 * HV + i_hv) * tl.num_programs(2) + i_k, b_db, mask=m_t)

@@ -207,16 +207,15 @@ def test_reverse_state_pass_in_one_tile_matches_reference(name, check_rel_rms):
 
 
 @pytest.mark.parametrize("gate_floor", [None, -1000.0])
-def test_intra_loop_k_matches_reference(gate_floor, check_rel_rms):
-    """BackwardConfig.intra_loop_k (one intra program per chunk looping over
-    K blocks; K = 48 is a full and a masked block) on anchored and exact
-    (-1000 gate) chunks: the same gradients, held to the float32 bar (with
-    fp32-grade products on a GPU, as the test above)."""
+def test_intra_k_blocks_match_reference(gate_floor, check_rel_rms):
+    """The intra kernel over K blocks of 32 (K = 48 is a full and a masked
+    block) on anchored and exact (-1000 gate) chunks: the gradients held to
+    the float32 bar (with fp32-grade products on a GPU)."""
     x = make_inputs(21, T=75, H=1, HV=2, K=48, V=16, N=3, gate_floor=gate_floor)
     call_kw = dict(cu_seqlens=np.array([0, 7, 7, 75]))
     w_o, w_f = _weights(x, call_kw, seed=5)
     looped = dataclasses.replace(configs.backward_config(chunk_size=32), intra_block_k=32,
-                                 intra_loop_k=True, product_dot="tf32x3" if ON_GPU else "ieee")
+                                 product_dot="tf32x3" if ON_GPU else "ieee")
     with configs.override_backward(looped):
         ref, got, params = _grads(x, call_kw, 32, ALL, w_o, w_f)
     tol = TOL if gate_floor is None else TOLERANCES["float32-extreme-gates"]["rel_rms"]

@@ -113,8 +113,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                 config.wy_dot if sixteen_bit else config.wy_fp32_dot)),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(
-            H=h, HV=hv, K=kd, BT=bt, BK=block(kd, config.intra_block_k), DOT_A=dot_a,
-            LOOP_K=config.intra_loop_k),
+            H=h, HV=hv, K=kd, BT=bt, BK=block(kd, config.intra_block_k), DOT_A=dot_a),
             config.intra_warps, 1),
     ]
     return {launch_.kernel: launch_ for launch_ in launches}
@@ -210,7 +209,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
                    sds(tt_shape, f32), sds(tt_shape, f32), sds((tokens, hv), f32)])
 
     intra = L["kda_bwd_intra_kernel"].constexprs
-    n_k = 1 if intra["LOOP_K"] else -(-kd // intra["BK"])
+    n_k = -(-kd // intra["BK"])
     dq, dk, dg, dbeta_k = run(
         "kda_bwd_intra_kernel", q, k, gc, g, beta, dl, daqk, dq_p, dk_w, dg_w,
         meta_dev, off_cu, off_ct, n, tokens,
