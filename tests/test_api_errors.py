@@ -3,6 +3,8 @@ message names the argument (and its value or shape)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,9 +176,26 @@ def test_bad_call(name, fn):
         _call(fn, args, **kw)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 128, 0, True, 64.5, "64"])
+@pytest.mark.parametrize("chunk_size", [16, 128, 0, -64, np.int64(48)])
 def test_bad_chunk_size(chunk_size):
-    with pytest.raises(ValueError, match=rf"chunk_size={chunk_size!r} must be 32 or 64"):
+    with pytest.raises(ValueError, match=rf"chunk_size={int(chunk_size)} must be 32 or 64"):
+        _call(kda_jax.chunk_kda, a0, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [True, np.bool_(True), 32.0, 64.5, "64", jnp.array(32),
+                                        np.array(32), None], ids=repr)
+def test_chunk_size_must_be_an_int(chunk_size):
+    """Only a Python int (or NumPy integer scalar) selects the chunk size: a float
+    equal to 32, a bool or an array is refused by name, with the value."""
+    with pytest.raises(TypeError, match=r"chunk_size must be a Python int, 32 or 64 \(it is "
+                                        r"fixed at trace time\), got "
+                                        + re.escape(repr(chunk_size))):
+        _call(kda_jax.chunk_kda, a0, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [32, np.int32(64)], ids=repr)
+def test_integer_chunk_sizes_pass(chunk_size):
+    with pytest.raises(BackendRan):
         _call(kda_jax.chunk_kda, a0, chunk_size=chunk_size)
 
 
