@@ -495,12 +495,12 @@ def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *,
         # The serving forms, forward only: with a pool the state kernel reads
         # and writes its rows in place (no gather/scatter); a bucketed batch's
         # grids come from its bucket.
-        return kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias,
-                                           opts=opts, bounds=bounds, config=config,
-                                           pool=mask_padding(pool, bounds))
-    # Differentiable (jax.custom_vjp, kda_jax.triton.backward); the serving
-    # branch above is not: gradients with state_cache or a VarlenBatch are
-    # unsupported on this backend.
+        # Forward only: jax.grad and jax.vmap of it raise kda_jax's error.
+        return kda_triton.chunk_kda_triton_serving(q, k, v, g, beta, initial_state, A_log,
+                                                   dt_bias, opts=opts, bounds=bounds,
+                                                   config=config,
+                                                   pool=mask_padding(pool, bounds))
+    # Differentiable (jax.custom_vjp, kda_jax.triton.backward).
     return kda_triton.chunk_kda_triton_grad(q, k, v, g, beta, initial_state, A_log, dt_bias,
                                             opts=opts, bounds=bounds, config=config,
                                             bwd_config=bwd_config)
