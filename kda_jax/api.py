@@ -529,7 +529,10 @@ def _recurrent_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None
 
 _ARGS_DOC = """
     Args:
-      q: ``[B, T, H, K]`` queries (bf16, fp16 or fp32).
+      q: ``[B, T, H, K]`` queries. Every array argument is bf16, fp16 or fp32
+        (float8, float64 and others raise TypeError). H, HV, K and V must be
+        >= 1 (ValueError); B = 0 (no sequence) gives empty results without
+        running a backend, and T = 0 empty sequences.
       k: ``[B, T, H, K]`` keys.
       v: ``[B, T, HV, V]`` values; HV % H == 0 (value head ``hv`` reads q/k head
         ``hv // (HV // H)``).
@@ -539,7 +542,8 @@ _ARGS_DOC = """
         ``use_beta_sigmoid_in_kernel``).
       scale: query scale; default ``K ** -0.5``.
       initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
-        ``state_v_first``), N = B, or the number of sequences in cu_seqlens.
+        ``state_v_first``), N = B, or the number of sequences in cu_seqlens;
+        used in float32.
         Read only: the final state is a new array. Donating initial_state to
         the enclosing jit does not make a step in place (XLA copies the new
         state into the donated buffer; a 256-sequence decode step on the H200
@@ -572,13 +576,19 @@ _ARGS_DOC = """
         ``output_final_state``. Donate the pool to the enclosing ``jax.jit``
         (``donate_argnums``) and the update happens in place on a GPU.
       state_indices: int32 ``[N]`` (NumPy or jax, traced allowed; other integer
-        types are cast): each sequence's pool row. A negative index is a padding
-        slot: nothing is read (o is computed from a zero state) or written.
-        Required with ``state_cache``. NumPy indices are checked on the host:
-        an index >= slots, or a row named twice, raises ValueError. Device
-        indices are not checked (that would need a device read): an index >=
-        slots acts as padding, and a row named twice is undefined (either
-        sequence's final state may land there).
+        types are narrowed to int32 with every index outside [0, slots) made
+        -1 first, so int64 under jax_enable_x64 never wraps onto a row): each
+        sequence's pool row. A negative index is a padding slot: nothing is
+        read (o is computed from a zero state) or written.
+        Required with ``state_cache``. NumPy indices are checked on the host
+        for the real sequences: all N with host bounds, the first
+        (real count) with a NumPy VarlenBatch, whose padded slots' indices
+        are ignored unchecked. There an index >= slots, or a row named twice,
+        raises ValueError. Device indices, and NumPy indices with a batch
+        already on the device (its real count is device data), are not
+        checked (that would need a device read): an index >= slots acts as
+        padding, and a row named twice is undefined (either sequence's final
+        state may land there).
       has_initial_state: bool ``[N]`` or None (all True). False: the sequence
         starts from zeros and never reads its row (which may hold garbage);
         the row still receives its final state.
@@ -588,6 +598,14 @@ _ARGS_DOC = """
       ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32
       ``[N, HV, K, V]`` (or V-first), or None unless ``output_final_state``.
       With ``state_cache``: ``(o, new_state_cache)``, the pool's shape and dtype.
+
+    Transformations: the XLA path supports ``jax.grad`` and ``jax.vmap`` (JAX's
+    own rules). On the Triton path only chunk_kda with host bounds and no
+    ``state_cache`` is differentiable; the serving forms (a ``state_cache`` or
+    a VarlenBatch) and fused_recurrent_kda are forward only, and no Triton
+    form has a batching rule: grad, jvp and vmap of those raise
+    ``NotImplementedError`` subclasses of :mod:`kda_jax.triton.forward_only`
+    naming the form and the alternative.
 """
 
 
@@ -629,7 +647,8 @@ chunk_kda.__doc__ = (
     with ``cu_seqlens`` the varlen metadata is built on the host at trace time.
 """
     + _ARGS_DOC
-    + """      chunk_size: 32 or 64.
+    + """      chunk_size: a Python int (or NumPy integer), 32 or 64; a float, bool or
+        array raises TypeError.
 """
 )
 

@@ -121,3 +121,21 @@ def test_xla_path_under_vmap_and_grad(fn, check_close):
     ref = lambda q: jnp.sum(reference.naive_recurrent_kda(q, *x.args()[1:])[0] ** 2)
     check_close(jax.grad(loss)(jnp.asarray(x.q)), jax.grad(ref)(jnp.asarray(x.q)), "float32",
                 "grad dq")
+
+
+@needs_triton
+def test_differentiable_chunk_path_refuses_vmap_and_keeps_its_gradient(check_close):
+    """chunk_kda's Triton path with host bounds keeps its custom_vjp gradient,
+    and jax.vmap of it (or of its gradient) raises kda_jax's error."""
+    x, cu = _x()
+    rest = [jnp.asarray(a) for a in x.args()[1:]]
+    loss = lambda q: jnp.sum(kda_jax.chunk_kda(q, *rest, cu_seqlens=cu,
+                                               implementation="triton")[0] ** 2)
+    ref = lambda q: jnp.sum(reference.naive_recurrent_kda(q, *rest, cu_seqlens=cu)[0] ** 2)
+    q = jnp.asarray(x.q)
+    check_close(jax.jit(jax.grad(loss))(q), jax.grad(ref)(q), "float32", "grad dq")
+    match = r"jax.vmap of chunk_kda on the Triton path .* is not supported"
+    with pytest.raises(NotBatchableError, match=match):
+        jax.vmap(loss)(jnp.stack([q, q]))
+    with pytest.raises(NotBatchableError, match=match):
+        jax.vmap(jax.grad(loss))(jnp.stack([q, q]))

@@ -5,8 +5,10 @@ The Triton launches (jax-triton's custom call, or ``jax.pure_callback`` in
 interpret mode) have neither a JVP nor a batching rule, so JAX would fail deep
 inside with its own message ("Pure callbacks do not support JVP", a missing
 batching rule). :func:`forward_only` wraps such a form in a ``jax.custom_jvp``
-whose rule raises :class:`NotDifferentiableError`, around a
-``jax.custom_batching.custom_vmap`` whose rule raises :class:`NotBatchableError`.
+whose rule raises :class:`NotDifferentiableError`, around
+:func:`unbatchable`: a ``jax.custom_batching.custom_vmap`` whose rule raises
+:class:`NotBatchableError` (chunk_kda's differentiable Triton path uses that
+one alone, inside its ``jax.custom_vjp``).
 Both rules run at trace time only; the forward value and ``jax.jit`` are
 unchanged (the primal is the wrapped function itself).
 """
@@ -18,7 +20,7 @@ from collections.abc import Callable
 import jax
 
 __all__ = ["UnsupportedTransformError", "NotDifferentiableError", "NotBatchableError",
-           "forward_only", "GRAD_ALTERNATIVE", "VMAP_ALTERNATIVE"]
+           "forward_only", "unbatchable", "GRAD_ALTERNATIVE", "VMAP_ALTERNATIVE"]
 
 GRAD_ALTERNATIVE = (
     "differentiable are chunk_kda's Triton path with host bounds (cu_seqlens None, a list, a "
@@ -43,12 +45,12 @@ class NotBatchableError(UnsupportedTransformError):
     """jax.vmap of a form without a batching rule."""
 
 
-def forward_only(fn: Callable, form: str) -> Callable:
+def unbatchable(fn: Callable, form: str) -> Callable:
     """``fn`` (positional pytree arguments of arrays, SeqBounds or VarlenBatch)
-    with the same value, whose differentiation and batching raise.
+    with the same value, whose batching raises :class:`NotBatchableError`.
 
-    ``form`` names the call in the messages, e.g.
-    ``"fused_recurrent_kda(implementation='triton')"``.
+    ``form`` names the call in the message, e.g.
+    ``"fused_recurrent_kda on the Triton path"``.
     """
 
     @jax.custom_batching.custom_vmap
@@ -61,6 +63,14 @@ def forward_only(fn: Callable, form: str) -> Callable:
             f"jax.vmap of {form} is not supported: its Triton kernels have no batching rule; "
             f"{VMAP_ALTERNATIVE}"
         )
+
+    return unbatched
+
+
+def forward_only(fn: Callable, form: str) -> Callable:
+    """:func:`unbatchable` ``fn`` whose differentiation (jax.grad, jax.jvp,
+    jax.vjp) also raises, with :class:`NotDifferentiableError`."""
+    unbatched = unbatchable(fn, form)
 
     @jax.custom_jvp
     def primal(*args):
