@@ -1,56 +1,284 @@
-"""Times fla's chunk_kda (PyTorch) on the benchmark's inputs, in its own process.
+"""fla's side of every benchmark, in a process of its own.
 
-fla and torch's Triton run beside JAX and jax-triton badly in one process (seen
-on the H200: torch's Triton lost its cache directory once jax-triton had
-compiled), so bench.forward starts this module and reads its stdout: one JSON
-line per row as soon as it is timed ({"row": i, "ms": ...}; fla's first call
-per shape autotunes for minutes, and a sweep cut by a time limit keeps the
-rows done), then one line with the versions.
+fla (PyTorch) and torch's Triton run badly beside JAX and jax-triton in one
+process (torch's Triton lost its cache directory once jax-triton was imported),
+so the benchmarks start this module as a child and talk to it in JSON lines:
+the parent writes one job per line on the child's stdin; the child answers
+lines on stdout, one per measured row as soon as it is timed ({"row": ...}),
+then {"done": true}. The child stays alive between jobs, so a benchmark can
+alternate its own measurements with fla's (bench.decode --rounds).
 
-    python -m bench.fla_peer '[[B, T, H, K, V, cu_or_null], ...]' [forward|backward]
+Jobs (all bf16 q/k/v, float32 g and beta, inputs from bench.inputs):
+  {"job": "sweep", "mode": "forward" | "backward", "rows": [[B, T, H, K, V, cu or null], ...]}
+      fla's chunk_kda (with backward: plus autograd's backward); rows {"index": i, "ms": ...}
+  {"job": "serving", "sets": [[lengths], ...], "heads": H, "head_dim": D}
+      the mixed serving step with device cu_seqlens, and with cu_seqlens_cpu
+  {"job": "decode", "n": N, "heads": H, "head_dim": D, "forms": ["dense", "pool"]}
+      fused_recurrent_kda over N one-token sequences: dense states, or a pool
+      updated in place through ssm_state_indices (fla's serving decode)
+Each job may carry "iters" and "repeats" (bench.timing.time_calls).
 
-"backward" times the forward plus PyTorch autograd's backward (bench.backward).
+    python -m bench.fla_peer      # the child; the parent side is FlaPeer
 """
 
+from __future__ import annotations
+
+import collections
 import json
+import os
+import subprocess
 import sys
 
+import numpy as np
 
-def main():
+from bench.inputs import make
+
+
+# --------------------------------------------------------------------------- #
+# The parent's side (no torch).
+# --------------------------------------------------------------------------- #
+
+
+class FlaUnavailable(RuntimeError):
+    """The fla child did not start or died (fla, torch or a GPU missing)."""
+
+
+def child_env() -> dict:
+    """This process's environment less an empty TRITON_CACHE_DIR: importing
+    jax-triton sets it to "", and torch's Triton in the child then fails with
+    "Could not create or locate cache dir"; without it Triton uses its default."""
+    env = dict(os.environ)
+    if not env.get("TRITON_CACHE_DIR"):
+        env.pop("TRITON_CACHE_DIR", None)
+    return env
+
+
+class FlaPeer:
+    """The fla child: ``with FlaPeer() as fla: for msg in fla.run(job): ...``.
+    ``versions`` holds the child's torch and fla versions."""
+
+    def __init__(self, argv=None):
+        # stderr joins stdout: a pipe nobody reads fills up and stalls a chatty child.
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "bench.fla_peer"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=child_env())
+        self.other = collections.deque(maxlen=20)  # the child's last non-JSON lines
+        hello = self._next()
+        if not hello.get("ready"):
+            raise FlaUnavailable(f"the fla child did not start: {self.tail()}")
+        self.versions = {"torch": hello.get("torch"), "fla": hello.get("fla")}
+
+    def tail(self) -> str:
+        return "\n".join(self.other)[-600:]
+
+    def _next(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+            self.other.append(line.rstrip())
+        self.proc.wait()
+        return {}
+
+    def run(self, job: dict):
+        """Yields the child's messages for ``job`` until it is done; raises
+        FlaUnavailable when the child dies first (rows already yielded stand)."""
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise FlaUnavailable(f"the fla child is gone: {self.tail()}") from e
+        while True:
+            msg = self._next()
+            if not msg:
+                raise FlaUnavailable(f"the fla child died: {self.tail()}")
+            if msg.get("done"):
+                return
+            yield msg
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# --------------------------------------------------------------------------- #
+# The child (torch and fla, no JAX).
+# --------------------------------------------------------------------------- #
+
+
+def _cuda(x, dtype=None):
+    import torch
+
+    return torch.tensor(x, device="cuda", dtype=dtype)
+
+
+def _inputs(b, t, h, kd, vd, seed=0):
+    import torch
+
+    arrays = make(b, t, h, kd, vd, seed=seed)
+    return [_cuda(a, torch.bfloat16 if i < 3 else torch.float32) for i, a in enumerate(arrays)]
+
+
+def _timed(call, iters, repeats):
+    import torch
+
+    from bench.timing import time_calls
+
+    return time_calls(call, torch.cuda.synchronize, iters, repeats)
+
+
+def _syncs(call) -> int:
+    """Synchronizing calls torch reports for one ``call(0)`` (its sync debug mode)."""
+    import warnings
+
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def sweep_job(job):
     import torch
     from fla.ops.kda import chunk_kda
 
-    from bench.inputs import make
-    from bench.timing import time_torch
-
-    rows = json.loads(sys.argv[1])
-    backward = len(sys.argv) > 2 and sys.argv[2] == "backward"
-    for i, (b, t, h, kd, vd, cu) in enumerate(rows):
-        q, k, v, g, beta = make(b, t, h, kd, vd)
-        q, k, v = (torch.tensor(a, device="cuda", dtype=torch.bfloat16) for a in (q, k, v))
-        g, beta = (torch.tensor(a, device="cuda") for a in (g, beta))
+    backward = job.get("mode") == "backward"
+    for i, (b, t, h, kd, vd, cu) in enumerate(job["rows"]):
+        q, k, v, g, beta = _inputs(b, t, h, kd, vd)
         kw = {}
         if cu is not None:
-            kw = dict(cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.long),
-                      cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long))
+            kw = dict(cu_seqlens=_cuda(cu, torch.long), cu_seqlens_cpu=torch.tensor(cu))
         if backward:
             for a in (q, k, v, g, beta):
                 a.requires_grad_(True)
             do = torch.randn(b, t, h, vd, device="cuda", dtype=torch.bfloat16)
 
-            def step():
+            def step(_):
                 for a in (q, k, v, g, beta):
                     a.grad = None  # no accumulation into earlier gradients
-                o = chunk_kda(q, k, v, g, beta, **kw)[0]
-                torch.autograd.backward(o, do)
-
-            ms = time_torch(step)
+                torch.autograd.backward(chunk_kda(q, k, v, g, beta, **kw)[0], do)
         else:
-            ms = time_torch(lambda: chunk_kda(q, k, v, g, beta, **kw))
-        print(json.dumps({"row": i, "ms": ms}), flush=True)
-    print(json.dumps({"torch": torch.__version__,
-                      "fla": getattr(__import__("fla"), "__version__", "?")}), flush=True)
+            def step(_):
+                chunk_kda(q, k, v, g, beta, **kw)
+        ms, host_ms = _timed(step, job.get("iters", 20), job.get("repeats", 5))
+        yield {"index": i, "ms": ms, "host_ms": host_ms}
+
+
+def serving_job(job):
+    import inspect
+
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    sets, h, d = job["sets"], job["heads"], job["head_dim"]
+    q, k, v, g, beta = _inputs(1, max(map(sum, sets)), h, d, d)
+    h0 = torch.zeros((max(map(len, sets)), h, d, d), device="cuda")
+    has_cpu = "cu_seqlens_cpu" in inspect.signature(chunk_kda).parameters
+    for name, with_cpu in (("fla chunk_kda, device cu_seqlens", False),
+                           ("fla chunk_kda, + cu_seqlens_cpu", True)):
+        if with_cpu and not has_cpu:
+            yield {"implementation": name, "ms": None,
+                   "error": "this fla's chunk_kda has no cu_seqlens_cpu"}
+            continue
+
+        def call(i, with_cpu=with_cpu):
+            lens = sets[i % len(sets)]
+            cu = torch.tensor(np.r_[0, np.cumsum(lens)], dtype=torch.long).pin_memory()
+            kw = dict(cu_seqlens=cu.to("cuda", non_blocking=True))
+            if with_cpu:
+                kw["cu_seqlens_cpu"] = cu
+            t = int(sum(lens))
+            chunk_kda(q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t],
+                      initial_state=h0[: len(lens)], output_final_state=True, **kw)
+
+        ms, host_ms = _timed(call, job.get("iters", 50), job.get("repeats", 5))
+        yield {"implementation": name, "ms": ms, "host_ms": host_ms, "syncs_per_step": _syncs(call)}
+
+
+def decode_calls(n, h, d):
+    """fla's decode steps over ``n`` one-token sequences: {form: call(i)}. "dense":
+    [N, 1] tokens, a float32 initial state and a new final state (the public
+    fused_recurrent_kda); "pool": packed [1, N] tokens with device cu_seqlens, the
+    states read from and written to a pool's rows in place through
+    ssm_state_indices (fla's internal fused_recurrent_kda_fwd: the public function
+    has no pool)."""
+    import torch
+    from fla.ops.kda import fused_recurrent_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    x = _inputs(1, n, h, d, d, seed=1)
+    dense = [y.reshape((n, 1) + y.shape[2:]) for y in x]
+    h0 = torch.zeros((n, h, d, d), device="cuda")
+    pool = torch.zeros((n, h, d, d), device="cuda")
+    idx = torch.arange(n, device="cuda", dtype=torch.int32)
+    cu = torch.arange(n + 1, device="cuda", dtype=torch.long)
+    return {
+        "dense": lambda i: fused_recurrent_kda(*dense, initial_state=h0, output_final_state=True),
+        "pool": lambda i: fused_recurrent_kda_fwd(*x, initial_state=pool,
+                                                  inplace_final_state=True, cu_seqlens=cu,
+                                                  ssm_state_indices=idx),
+    }
+
+
+_DECODE_CACHE: dict = {}
+
+
+def decode_job(job):
+    key = (job["n"], job["heads"], job["head_dim"])
+    if key not in _DECODE_CACHE:  # rounds ask again and again: inputs made once
+        _DECODE_CACHE[key] = decode_calls(*key)
+    calls = _DECODE_CACHE[key]
+    for form in job.get("forms", ("dense", "pool")):
+        try:
+            ms, host_ms = _timed(calls[form], job.get("iters", 50), job.get("repeats", 5))
+            row = {"form": form, "ms": ms, "host_ms": host_ms}
+            if job.get("syncs", True):
+                row["syncs_per_step"] = _syncs(calls[form])
+        except Exception as e:  # noqa: BLE001 - a failure costs this row only
+            row = {"form": form, "ms": None, "error": f"{type(e).__name__}: {str(e)[-300:]}"}
+        yield row
+
+
+JOBS = {"sweep": sweep_job, "serving": serving_job, "decode": decode_job}
+
+
+def child_main():
+    import torch
+
+    fla_version = None
+    try:
+        from importlib import metadata
+
+        fla_version = metadata.version("fla-core")
+    except Exception:  # noqa: BLE001
+        fla_version = getattr(__import__("fla"), "__version__", None)
+    print(json.dumps({"ready": True, "torch": torch.__version__, "fla": fla_version}),
+          flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        job = json.loads(line)
+        try:
+            for row in JOBS[job["job"]](job):
+                print(json.dumps({"row": row}), flush=True)
+        except Exception as e:  # noqa: BLE001 - the parent records the failure
+            print(json.dumps({"error": f"{type(e).__name__}: {str(e)[-400:]}"}), flush=True)
+        print(json.dumps({"done": True}), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    child_main()

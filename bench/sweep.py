@@ -1,20 +1,18 @@
 """The sweep driver shared by bench.forward and bench.backward: the command
 line for the rows, and one loop that times kda_jax's implementations and reads
 fla's times (measured in a child process, bench.fla_peer), printing a table and
-collecting one JSON record per (row, implementation)."""
+writing one JSON row per (shape, implementation), each with the run's metadata
+(bench.meta)."""
 
 from __future__ import annotations
 
-import collections
-import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 
+from bench import meta as run_meta
+from bench.fla_peer import FlaPeer, FlaUnavailable
 from bench.inputs import make
-from bench.timing import versions
 from kda_jax.testing import DENSE_SWEEP
 
 
@@ -42,32 +40,20 @@ def rows_of(args) -> list[tuple]:
 
 def fla_stream(rows, kd, vd, mode="forward"):
     """Yields (row index, ms) of fla's chunk_kda for ``rows`` as each is timed
-    ("forward" or "backward": forward + autograd backward), then (None, versions),
-    measured in a child process (see bench.fla_peer)."""
+    ("forward" or "backward": forward + autograd backward), then (None, the
+    child's versions); measured in a child process (bench.fla_peer). A child that
+    fails or dies ends the stream with a message on stderr; rows timed stand."""
     spec = [[b, t, h, kd, vd, None if cu is None else [int(x) for x in cu]] for b, t, h, cu in rows]
-    # stderr joins stdout: a pipe nobody reads fills up and stalls a chatty child.
-    proc = subprocess.Popen([sys.executable, "-m", "bench.fla_peer", json.dumps(spec), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env())
-    other = collections.deque(maxlen=20)  # the child's last other lines, for a failure
-    for line in proc.stdout:
-        if not line.startswith("{"):
-            other.append(line.rstrip())
-            continue
-        out = json.loads(line)
-        yield (out["row"], out["ms"]) if "row" in out else (None, out)
-    if proc.wait() != 0:
-        print(f"  fla failed: {chr(10).join(other)[-400:]}", file=sys.stderr)
-
-def child_env() -> dict:
-    """This process's environment for fla's child, less an empty TRITON_CACHE_DIR:
-    importing jax-triton sets it to "" (seen on the H200: torch's Triton in the
-    child then fails with "Could not create or locate cache dir"); without it
-    Triton uses ~/.triton/cache, where bench/run_gpu.sh keeps fla's autotuning."""
-    env = dict(os.environ)
-    if not env.get("TRITON_CACHE_DIR"):
-        env.pop("TRITON_CACHE_DIR", None)
-    return env
+    try:
+        with FlaPeer() as fla:
+            for msg in fla.run({"job": "sweep", "mode": mode, "rows": spec}):
+                if "error" in msg:
+                    print(f"  fla failed: {msg['error']}", file=sys.stderr)
+                else:
+                    yield msg["row"]["index"], msg["row"]["ms"]
+            yield None, fla.versions
+    except FlaUnavailable as e:
+        print(f"  fla failed: {e}", file=sys.stderr)
 
 
 def _line(b, t, h, times, impls, roof):
@@ -93,15 +79,15 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
     impls = args.impls.split(",")
     kd = vd = args.head_dim
     rows = rows_of(args)
-    meta = versions()
-    meta["command"] = f"python -m {module} " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+    fla_versions = {}
+    base = run_meta.run_metadata(module, argv)
     times = [dict.fromkeys(impls) for _ in rows]
     roofs = [roofline(b, t, h, kd, vd) if roofline else None for b, t, h, _ in rows]
 
     def save():
         if not args.json:
             return
+        meta = dict(base, versions={**base["versions"], **fla_versions})
         records = []
         for (b, t, h, cu), row_times, roof in zip(rows, times, roofs):
             fields = dict(extra(b, t, h)) if extra else {}
@@ -115,10 +101,8 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
                     B=b, T=t, H=h, K=kd, V=vd, dtype="bfloat16",
                     varlen=None if cu is None else [int(x) for x in np.diff(cu)],
                     implementation="fla" if impl == "fla" else f"kda_jax-{impl}", ms=ms,
-                    ratio_to_fla=(ms / fla) if (ms and fla) else None, **fields, **meta))
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+                    ratio_to_fla=(ms / fla) if (ms and fla) else None, **fields))
+        run_meta.write_rows(args.json, run_meta.stamp(records, meta))
 
     header = (f"{'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
               + "  triton/fla" + ("  roofline%" if roofline else ""))
@@ -128,7 +112,7 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
             print("fla (child process):", flush=True)
             for row, value in fla_stream(rows, kd, vd, mode=mode):
                 if row is None:
-                    meta.update(value)
+                    fla_versions.update(value)
                 else:
                     times[row]["fla"] = value
                     b, t, h, _ = rows[row]

@@ -1,64 +1,53 @@
-"""Timing helpers shared by the benchmarks (GPU numbers only; CPU timings are not results)."""
+"""The one timing helper of the benchmarks (GPU numbers only; CPU timings are not results).
+
+Every benchmark, kda_jax's side and fla's alike, times a step the same way: two
+warm-up calls and a sync, then ``repeats`` loops of ``iters`` calls, each loop
+ended by a sync; the result is the median over the loops of the wall time per
+call as the host sees it (host work, dispatch and the device all included), and
+of the time the loop took to issue its calls (near the first: the step is bound
+by the host).
+"""
 
 from __future__ import annotations
 
-import platform
 import statistics
-import subprocess
-import sys
 import time
+from typing import Callable
+
+WARMUP_CALLS = 2
+
+
+def time_calls(call: Callable[[int], object], sync: Callable[[], object], iters: int = 20,
+               repeats: int = 5) -> tuple[float, float]:
+    """(ms, host ms) per ``call(i)`` (i counts the calls, so a step can rotate its inputs)."""
+    for i in range(WARMUP_CALLS):
+        call(i)
+    sync()
+    samples, issued = [], []
+    for r in range(repeats):
+        start = time.perf_counter()
+        for i in range(iters):
+            call(r * iters + i)
+        issued.append((time.perf_counter() - start) * 1e3 / iters)
+        sync()
+        samples.append((time.perf_counter() - start) * 1e3 / iters)
+    return statistics.median(samples), statistics.median(issued)
 
 
 def time_jax(fn, *args, iters: int = 20, repeats: int = 5) -> float:
-    """Median milliseconds per call of a jitted ``fn`` (compilation excluded)."""
+    """Median ms per call of a jitted ``fn(*args)`` (compilation excluded: the warm-up)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(samples)
+    out = {}
+
+    def call(_):
+        out["y"] = fn(*args)
+
+    return time_calls(call, lambda: jax.block_until_ready(out["y"]), iters, repeats)[0]
 
 
 def time_torch(fn, iters: int = 20, repeats: int = 5) -> float:
-    """Median milliseconds per call of a PyTorch callable on the current CUDA device."""
+    """Median ms per call of a PyTorch callable on the current CUDA device."""
     import torch
 
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
-
-
-def versions() -> dict:
-    import jax
-
-    out = {"python": sys.version.split()[0], "jax": jax.__version__, "platform": platform.platform()}
-    for name in ("jaxlib", "triton", "jax_triton", "torch", "fla"):
-        try:
-            mod = __import__(name)
-            out[name] = getattr(mod, "__version__", "?")
-        except Exception:  # noqa: BLE001 - a missing peer is recorded, not fatal
-            out[name] = None
-    try:
-        out["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        out["gpu"] = str(jax.devices()[0].device_kind)
-    return out
+    return time_calls(lambda _: fn(), torch.cuda.synchronize, iters, repeats)[0]

@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the forward and backward kernels, with no GPU present.
 
-    python -m kda_jax.aot --targets gfx950,gfx1250,gfx942,sm90 --json PATH
+    python -m kda_jax.aot --targets gfx950,gfx1250,gfx942,sm90 --json PATH --summary PATH
 
 Compiles every kernel of ``kda_jax.kernels.chunk_fwd`` and ``chunk_bwd`` for
 each target at that target's shipped config (``kda_jax.configs.FORWARD`` and
@@ -24,6 +24,14 @@ writes JSON, and exits 1 when a compile fails or a kernel spills to memory:
   64-warp limit.
 
 ``lds_bytes`` is ``compiled.metadata.shared`` (what a launch allocates).
+
+Each row also has the matrix instructions by opcode and an estimated
+matrix-core cycle count per program (:mod:`kda_jax.aot_isa`, fields in
+:func:`_matrix_fields`): static counts from the AMDGCN or PTX, scaled by the
+loop trip counts the constexprs fix; a proxy, not a measurement. ``--json``
+writes every row (CI output, not committed); ``--summary`` the small file
+committed as ``bench/results/aot-summary.json`` (:func:`summary`). The
+printout ends with one line per kernel and target.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ import sys
 import tempfile
 import time
 
-__all__ = ["TARGETS", "SPECS", "Spec", "compile_one", "run", "main"]
+__all__ = ["TARGETS", "SPECS", "SUMMARY_SPEC", "Spec", "compile_one", "run", "summary",
+           "summary_table", "main"]
 
 KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # The backward's kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
@@ -131,7 +140,7 @@ _ARGS = {
     "kda_fwd_prepare_kernel": (
         ("q", "in"), ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"),
         ("A_log", "*fp32"), ("dt_bias", "*fp32"), ("meta", "*i32"),
-        ("off_cu", "i32"), ("off_ct", "i32"),
+        ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"), ("n_tokens", "i32"),
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
         ("gl", "*fp32"), ("x", "*fp32"), ("gc", "*fp32"),
     ),
@@ -139,7 +148,7 @@ _ARGS = {
         ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
         ("gl", "*fp32"), ("h0", "*fp32"), ("read_idx", "*i32"), ("write_idx", "*i32"),
         ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("n_seqs", "i32"),
-        ("n_tokens", "i32"), ("slots", "i32"),
+        ("n_tokens", "i32"), ("n_chunk_rows", "i32"), ("slots", "i32"),
         ("o", "in"), ("ht", "*fp32"),
     ),
 }
@@ -149,31 +158,36 @@ _ARGS = {
 _ARGS.update({
     "kda_bwd_state_kernel": (
         ("w", "work"), ("u", "work"), ("kt", "work"), ("gl", "*fp32"), ("h0", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("h", "*fp32"), ("vn", "work"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("n_tokens", "i32"),
+        ("n_chunk_rows", "i32"), ("h", "*fp32"), ("vn", "work"),
     ),
     "kda_bwd_dstate_kernel": (
         ("qg", "work"), ("kt", "work"), ("w", "work"), ("aqk", "work"), ("gl", "*fp32"),
         ("do", "in"), ("dht", "*fp32"), ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"),
+        ("n_tokens", "i32"), ("n_chunk_rows", "i32"),
         ("dh", "*fp32"), ("dvn", "work"), ("dh0", "*fp32"),
     ),
     "kda_bwd_inter_kernel": (
-        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("h", "*fp32"), ("dh", "*fp32"),
+        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("g", "in"), ("h", "*fp32"), ("dh", "*fp32"),
         ("vn", "work"),
         ("dvn", "work"), ("do", "in"), ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("n_bounds", "i32"), ("n_tokens", "i32"),
         ("dq", "*fp32"), ("dk", "*fp32"), ("dg", "*fp32"), ("dw", "*fp32"),
     ),
     "kda_bwd_wy_kernel": (
         ("k", "in"), ("v", "in"), ("gc", "*fp32"), ("beta", "in"), ("x", "*fp32"), ("w", "work"),
         ("u", "work"), ("vn", "work"), ("dvn", "work"), ("do", "in"), ("dk_p", "*fp32"),
         ("dg_p", "*fp32"), ("dw", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"),
+        ("n_tokens", "i32"),
         ("dv", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"), ("dl", "*fp32"),
         ("daqk", "*fp32"), ("dbeta", "*fp32"),
     ),
     "kda_bwd_intra_kernel": (
-        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("beta", "in"), ("dl", "*fp32"),
+        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("g", "in"), ("beta", "in"), ("dl", "*fp32"),
         ("daqk", "*fp32"), ("dq_p", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
+        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"),
+        ("n_tokens", "i32"),
         ("dq", "*fp32"), ("dk", "*fp32"), ("dg", "*fp32"), ("dbeta_k", "*fp32"),
     ),
 })
@@ -343,6 +357,54 @@ def _sm90_occupancy(regs: int, smem: int, num_warps: int) -> int:
     return blocks * num_warps
 
 
+def _sass_matrix_ops(cubin: bytes):
+    """{opcode: count} of HGMMA / HMMA in the SASS (Triton's bundled
+    cuobjdump), or None where it cannot run."""
+    try:
+        from triton.tools.disasm import get_sass
+
+        sass = get_sass(cubin)
+    except Exception:  # no cuobjdump: the PTX's counts stand alone
+        return None
+    ops: dict = {}
+    for op in re.findall(r"\b(H(?:GMMA|MMA)\.[0-9A-Za-z_.]+)", sass):
+        ops[op] = ops.get(op, 0) + 1
+    return dict(sorted(ops.items()))
+
+
+def _matrix_fields(compiled, backend=None, target=None, launch=None) -> dict:
+    """A row's matrix-instruction fields (kda_jax.aot_isa); all None without a compile.
+
+    matrix_ops: static {opcode: count} per wave (HIP) or per warp / warpgroup
+    (PTX); matrix_ops_per_program: times the known trip counts of the loops
+    around them (matrix_count_basis: the runtime loops they stay per
+    iteration of); est_matrix_cycles(_static): the matrix-core cycles of one
+    program from those counts (aot_isa.matrix_cycles); sass_matrix_ops: sm90's
+    SASS HGMMA/HMMA counts, a cross-check of the PTX (ptxas unrolls loops of
+    known trip count, so they can exceed the PTX's static counts)."""
+    fields = dict(matrix_ops=None, matrix_ops_per_program=None, matrix_loops=None,
+                  matrix_count_basis=None, est_matrix_cycles=None,
+                  est_matrix_cycles_static=None, matrix_cost_estimated=None,
+                  matrix_ops_uncosted=None, sass_matrix_ops=None, matrix_error=None)
+    if compiled is None:
+        return fields
+    from kda_jax import aot_isa
+
+    try:  # a report of the compiled code; its failure does not fail the compile
+        asm = compiled.asm["amdgcn" if backend == "hip" else "ptx"]
+        prof = aot_isa.matrix_profile(asm, backend, dict(launch.constexprs))
+        fields.update(prof)
+        per = aot_isa.matrix_cycles(target, prof["matrix_ops_per_program"], launch.num_warps)
+        static = aot_isa.matrix_cycles(target, prof["matrix_ops"], launch.num_warps)
+        fields.update(est_matrix_cycles=per["cycles"], est_matrix_cycles_static=static["cycles"],
+                      matrix_cost_estimated=per["estimated"], matrix_ops_uncosted=per["uncosted"])
+        if backend == "cuda":
+            fields["sass_matrix_ops"] = _sass_matrix_ops(compiled.asm["cubin"])
+    except Exception as e:
+        fields["matrix_error"] = f"{type(e).__name__}: {e}"
+    return fields
+
+
 # --------------------------------------------------------------------------- #
 # One compile.
 # --------------------------------------------------------------------------- #
@@ -355,7 +417,7 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
                config=None, num_warps=None, num_stages=None,
                vgprs=None, agprs=None, sgprs=None, vgpr_spills=None, spill_loads=None,
                sgpr_spills=None, scratch=None, lds_bytes=None, occupancy=None,
-               ok=False, error=None, compile_s=None)
+               ok=False, error=None, compile_s=None, **_matrix_fields(None))
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -412,6 +474,7 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
                 problems.append(f"{row['vgpr_spills']} bytes spill stores "
                                 f"({row['spill_loads']} bytes spill loads, "
                                 f"{row['vgprs']} registers)")
+        row.update(_matrix_fields(compiled, backend, target, launch))
         if row["lds_bytes"] > _LDS_LIMIT[target]:
             problems.append(f"{row['lds_bytes']} bytes LDS > {_LDS_LIMIT[target]}")
         row["ok"] = not problems
@@ -496,6 +559,87 @@ def table(rows: list[dict]) -> str:
         for line in lines)
 
 
+# The spec whose rows the committed summary keeps (the main case).
+SUMMARY_SPEC = "main/c64/default"
+_SUMMARY_FIELDS = ("spec", "num_warps", "num_stages", "vgprs", "agprs", "sgprs", "vgpr_spills",
+                   "sgpr_spills", "scratch", "lds_bytes", "occupancy", "matrix_ops",
+                   "matrix_ops_per_program", "matrix_count_basis", "est_matrix_cycles",
+                   "sass_matrix_ops")
+
+
+def summary(rows: list[dict], triton_version: str) -> dict:
+    """The small report committed as bench/results/aot-summary.json.
+
+    Per kernel and target: the row at :data:`SUMMARY_SPEC` (or the first spec
+    compiled, when the run left it out) with the fields of
+    ``_SUMMARY_FIELDS``, and over every spec compiled: compiles, failures,
+    spills, the most registers and LDS and the least occupancy. No source
+    hashes: a comment edit does not make it stale."""
+    out: dict = {}
+    for r in rows:
+        entry = out.setdefault(r["kernel"], {}).setdefault(r["target"], {})
+        if "spec" not in entry or (r["spec"] == SUMMARY_SPEC and entry["spec"] != SUMMARY_SPEC):
+            entry.update({k: r[k] for k in _SUMMARY_FIELDS if r.get(k) is not None})
+        agg = entry.setdefault("all_specs", dict(compiles=0, failed=0, spilled=0, max_vgprs=None,
+                                                 max_lds_bytes=None, min_occupancy=None))
+        agg["compiles"] += 1
+        agg["failed"] += 0 if r.get("ok") else 1
+        agg["spilled"] += 1 if (r.get("vgpr_spills") or r.get("scratch")) else 0
+        for key, field, pick in (("max_vgprs", "vgprs", max), ("max_lds_bytes", "lds_bytes", max),
+                                 ("min_occupancy", "occupancy", min)):
+            if r.get(field) is not None:
+                agg[key] = r[field] if agg[key] is None else pick(agg[key], r[field])
+    for entry in (e for per in out.values() for e in per.values()):
+        entry["all_specs"] = entry.pop("all_specs")  # last, after the spec's fields
+    return {
+        "triton": triton_version,
+        "spec": SUMMARY_SPEC,
+        "units": {
+            "hip": "vgprs/agprs/sgprs per lane or wave, lds_bytes bytes, occupancy waves per "
+                   "SIMD; matrix ops per wave",
+            "cuda": "vgprs = registers per thread, vgpr_spills = spill-store bytes, lds_bytes = "
+                    "shared bytes, occupancy = resident warps per SM; matrix ops per warp "
+                    "(mma.sync) or warpgroup (wgmma), from the PTX; sass_matrix_ops from the SASS",
+            "matrix": "matrix_ops: static count, a loop body once; matrix_ops_per_program: "
+                      "times the loops' trip counts known from the constexprs, ops in runtime "
+                      "loops (matrix_count_basis) once per iteration; est_matrix_cycles: "
+                      "matrix-core cycles of one program, its CU/SM to itself, from "
+                      "kda_jax.aot_isa.COST (a proxy, partly estimated)",
+        },
+        "kernels": out,
+    }
+
+
+def _ops_text(ops) -> str:
+    if not ops:
+        return "-"
+    # wgmma's and mma's ".sync.aligned" says nothing about the work.
+    return " ".join(f"{n}x{op.replace('.sync.aligned', '').replace('.mma_async', '')}"
+                    for op, n in ops.items())
+
+
+def summary_table(report: dict) -> str:
+    """One line per kernel and target of a :func:`summary`."""
+    lines = [("kernel", "target", "spec", "w/s", "vgpr", "spill", "lds", "occ",
+              "est_cyc", "matrix ops (static -> per program)")]
+    for kernel, per in report["kernels"].items():
+        for target, e in per.items():
+            static, prog = e.get("matrix_ops"), e.get("matrix_ops_per_program")
+            ops = _ops_text(static)
+            if prog and prog != static:
+                ops += " -> " + _ops_text(prog)
+            if e.get("matrix_count_basis"):
+                ops += " (per iteration of: " + "; ".join(e["matrix_count_basis"]) + ")"
+            lines.append((_SHORT.get(kernel, kernel), target, e["spec"],
+                          f"{_fmt(e.get('num_warps'))}/{_fmt(e.get('num_stages'))}",
+                          _fmt(e.get("vgprs")), _fmt(e.get("vgpr_spills")),
+                          _fmt(e.get("lds_bytes")), _fmt(e.get("occupancy")),
+                          _fmt(e.get("est_matrix_cycles")), ops))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(lines[0]) - 1)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line[:-1], widths)) + "  " + line[-1]
+                     for line in lines)
+
+
 def _source_hashes() -> dict:
     """sha256 of the kernel and launch sources that were compiled."""
     import importlib.util
@@ -534,7 +678,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default=None,
                         help="comma list of kernel names (default: all, forward and backward)")
     parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
-    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--json", default=None, help="write the full report here")
+    parser.add_argument("--summary", default=None,
+                        help=f"write the small summary here (per kernel and target at "
+                             f"{SUMMARY_SPEC}; bench/results/aot-summary.json)")
     parser.add_argument("--quiet", action="store_true", help="no per-compile progress lines")
     args = parser.parse_args(argv)
 
@@ -561,6 +708,9 @@ def main(argv=None) -> int:
     if changed:
         print("warning: the kernel or launch sources changed during the run", file=sys.stderr)
     print(table(rows))
+    report_summary = summary(rows, triton.__version__)
+    print("\nPer kernel and target (matrix counts are static proxies: see kda_jax.aot_isa)")
+    print(summary_table(report_summary))
     failed = [r for r in rows if not r.get("ok")]
     print(f"\n{len(rows)} compiles, {len(failed)} failed, {elapsed:.0f} s "
           f"(triton {triton.__version__}, {args.jobs} jobs)")
@@ -587,6 +737,11 @@ def main(argv=None) -> int:
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+            f.write("\n")
+    if args.summary:
+        os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
+        with open(args.summary, "w") as f:
+            json.dump(report_summary, f, indent=1)
             f.write("\n")
     return 1 if failed else 0
 

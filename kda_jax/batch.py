@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax import pool as state_pool
-from kda_jax.bounds import (Bucket, SeqBounds, as_seq_bounds, bucketed_metadata, chunk_table,
-                            packed_metadata)
+from kda_jax.bounds import (Bucket, SeqBounds, as_seq_bounds, bucketed_metadata,
+                            check_bucketed_metadata, chunk_table, packed_metadata)
 
 __all__ = ["VarlenBatch", "KernelMetadata", "kernel_metadata", "mask_padding", "num_seqs"]
 
@@ -48,6 +48,17 @@ class VarlenBatch:
       (treated as -1: nothing read, nothing written), so padding them with -1
       is the convention but not required.
 
+    Constructed from a NumPy buffer, the buffer is checked against the bucket
+    (:func:`kda_jax.bounds.check_bucketed_metadata`: every table must be what
+    :meth:`build` makes of the bounds it holds; a ValueError names the first
+    table that is not). A ``jax.Array`` or tracer is not checked: that would
+    need a read-back from the device. The Triton kernels clamp every index
+    they take from the buffer, so no buffer makes them read or write outside
+    their arrays, but a buffer not made by :meth:`build` gives undefined
+    results (the XLA path's: NaN, where it can tell, see
+    :mod:`kda_jax.xla`). Pickling and (deep) copying keep the bucket and the
+    buffer (a NumPy buffer is checked again on the way back).
+
     Attributes:
       metadata: int32 ``[bucket.metadata_size]``: NumPy on the host, a
         ``jax.Array`` after ``device_put``, a tracer inside jit.
@@ -70,8 +81,18 @@ class VarlenBatch:
                 f"{np.dtype(metadata.dtype)} {list(metadata.shape)}; build the batch with "
                 "kda_jax.VarlenBatch.build(cu_seqlens, bucket)"
             )
+        if isinstance(metadata, np.ndarray):
+            check_bucketed_metadata(metadata, bucket)
         object.__setattr__(self, "metadata", metadata)
         object.__setattr__(self, "bucket", bucket)
+
+    @classmethod
+    def _built(cls, metadata: np.ndarray, bucket: Bucket) -> "VarlenBatch":
+        """A batch of a buffer :func:`bucketed_metadata` has just made (no check)."""
+        batch = object.__new__(cls)
+        object.__setattr__(batch, "metadata", metadata)
+        object.__setattr__(batch, "bucket", bucket)
+        return batch
 
     @classmethod
     def build(cls, cu_seqlens, bucket: Bucket | None = None, *,
@@ -81,7 +102,7 @@ class VarlenBatch:
         bounds = as_seq_bounds(cu_seqlens)
         if bucket is None:
             bucket = Bucket.fit(bounds, chunk_size=chunk_size)
-        return cls(bucketed_metadata(bounds, bucket).buffer, bucket)
+        return cls._built(bucketed_metadata(bounds, bucket).buffer, bucket)
 
     @classmethod
     def from_lengths(cls, lengths, bucket: Bucket | None = None, *,
@@ -95,7 +116,7 @@ class VarlenBatch:
             # Not a list of integers: SeqBounds.from_lengths names the problem.
             return cls.build(SeqBounds.from_lengths(lengths), bucket, chunk_size=chunk_size)
         buffer, bucket = _buffer_of_lengths(tuple(arr.tolist()), bucket, chunk_size)
-        return cls(buffer, bucket)
+        return cls._built(buffer, bucket)
 
     def table(self, name: str) -> jax.Array:
         """The block ``name`` of the metadata (a static slice of the buffer)."""
@@ -118,6 +139,14 @@ class VarlenBatch:
 
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"VarlenBatch is immutable ({name})")
+
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"VarlenBatch is immutable ({name})")
+
+    def __reduce__(self):
+        # Through the constructor: frozen slots refuse the default state
+        # restore, and an unpickled NumPy buffer is checked like any other.
+        return (VarlenBatch, (self.metadata, self.bucket))
 
     def __repr__(self):
         return f"VarlenBatch({self.bucket}, metadata={type(self.metadata).__name__})"
@@ -185,6 +214,12 @@ class KernelMetadata:
     chunk_programs: int
     bucketed: bool
     uniform_len: int | None = None
+
+    @property
+    def num_bounds(self) -> int:
+        """(bos, eos) pairs in cu_seqlens (its length - 1, a batch's sentinel
+        included): the kernels clamp a sequence id from the chunk table below it."""
+        return self.seq_programs
 
 
 def kernel_metadata(varlen: SeqBounds | VarlenBatch, chunk_size: int) -> KernelMetadata:

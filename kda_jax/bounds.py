@@ -30,6 +30,7 @@ __all__ = [
     "lane_schedule",
     "Bucket",
     "bucketed_metadata",
+    "check_bucketed_metadata",
     "most_chunks",
 ]
 
@@ -542,6 +543,66 @@ def bucketed_metadata(cu_seqlens, bucket: Bucket) -> PackedTables:
     if packed.layout != bucket.layout:  # the layout is static: it must not depend on data
         raise RuntimeError(f"bucketed metadata layout {packed.layout} != {bucket.layout}")
     return packed
+
+
+def check_bucketed_metadata(buffer: np.ndarray, bucket: Bucket) -> SeqBounds:
+    """Checks a host buffer against ``bucket``: it must be exactly what
+    :func:`bucketed_metadata` builds from the bounds it holds. Returns those
+    bounds; raises ValueError naming the first table that is wrong.
+
+    The kernels index token rows, chunk rows and sequence slots with these
+    tables, so every table is checked, not only the shape: the header against
+    the bucket, ``cu_seqlens`` as bounds, then the whole buffer against the one
+    rebuilt from those bounds (chunk_offsets, chunk_table, the padding).
+
+    Args:
+      buffer: int32 NumPy ``[bucket.metadata_size]`` (shape and dtype checked
+        by the caller).
+      bucket: the :class:`Bucket` the buffer claims to be built for.
+    """
+    fix = "build the batch with kda_jax.VarlenBatch.build(cu_seqlens, bucket)"
+    layout = {name: (off, shape) for name, off, shape in bucket.layout}
+    view = lambda name: buffer[layout[name][0]:layout[name][0] + int(np.prod(layout[name][1]))]
+    n, t, nc, cs = (int(x) for x in view("header"))
+    for what, value, low, high in (("header[0] (sequences)", n, 1, bucket.max_seqs),
+                                   ("header[1] (tokens)", t, 0, bucket.max_tokens),
+                                   ("header[2] (chunks)", nc, 0, bucket.max_chunks),
+                                   ("header[3] (chunk size)", cs, bucket.chunk_size,
+                                    bucket.chunk_size)):
+        if not low <= value <= high:
+            raise ValueError(f"metadata table 'header': {what}={value} is outside [{low}, "
+                             f"{high}] of {bucket}; {fix}")
+    cu = view("cu_seqlens")
+    try:
+        bounds = SeqBounds(cu[: n + 1])
+    except ValueError as e:
+        raise ValueError(f"metadata table 'cu_seqlens' (its first {n + 1} entries) is not "
+                         f"valid bounds: {e}; {fix}") from None
+    if bounds.total_tokens != t:
+        raise ValueError(f"metadata table 'cu_seqlens' ends at cu_seqlens[{n}]="
+                         f"{bounds.total_tokens}, but header[1] (tokens) is {t}; {fix}")
+    try:
+        expected = bucketed_metadata(bounds, bucket).buffer
+    except ValueError as e:
+        raise ValueError(f"metadata table 'cu_seqlens' holds {bounds}, which does not fit "
+                         f"{bucket}: {e}") from None
+    if np.array_equal(buffer, expected):
+        return bounds
+    covered = np.zeros(buffer.shape, bool)
+    for name, (off, shape) in layout.items():
+        size = int(np.prod(shape))
+        covered[off:off + size] = True
+        bad = np.flatnonzero(buffer[off:off + size] != expected[off:off + size])
+        if bad.size:
+            i = np.unravel_index(int(bad[0]), shape)
+            at = ", ".join(str(int(x)) for x in i)
+            raise ValueError(
+                f"metadata table {name!r} differs from what {bounds} gives in {bucket}: "
+                f"{name}[{at}]={int(buffer[off + bad[0]])}, expected "
+                f"{int(expected[off + bad[0]])} ({bad.size} entries differ); {fix}")
+    pad = int(np.flatnonzero((buffer != expected) & ~covered)[0])
+    raise ValueError(f"metadata padding between tables must be 0, got buffer[{pad}]="
+                     f"{int(buffer[pad])}; {fix}")
 
 
 # --------------------------------------------------------------------------- #

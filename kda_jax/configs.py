@@ -18,24 +18,24 @@ __all__ = ["ForwardConfig", "ARCHS", "FORWARD", "FORWARD_C32", "current_arch", "
 
 ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
 # Product precisions of the prepare kernel, in the order of its DOT constexpr.
-DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16")
+DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16", "bf16x3", "bf16x6")
 
 
 def _check_inverse_dot(name: str, value: str):
     """The inverse's merge products compound rounding through nilpotent powers:
     float32-grade modes or tf32 (with 16-bit inputs only, where X is used at
     16-bit or tf32 precision afterwards); never bf16."""
-    if value not in ("ieee", "tf32x3", "tf32"):
-        raise ValueError(f"{name}={value!r} must be 'ieee', 'tf32x3' or 'tf32' (the "
-                         "inverse's merge; bf16 operands lose too much)")
+    if value not in ("ieee", "tf32x3", "tf32", "bf16x3", "bf16x6"):
+        raise ValueError(f"{name}={value!r} must be 'ieee', 'tf32x3', 'tf32', 'bf16x3' or "
+                         "'bf16x6' (the inverse's merge; bf16 operands lose too much)")
 
 
 def _check_fp32_grade(name: str, value: str):
     """Products of the inverse (its merge compounds rounding through nilpotent
     powers) and with it in float32 work: only the float32-grade modes."""
-    if value not in ("ieee", "tf32x3"):
-        raise ValueError(f"{name}={value!r} must be 'ieee' or 'tf32x3' (float32-grade "
-                         "products)")
+    if value not in ("ieee", "tf32x3", "bf16x6"):
+        raise ValueError(f"{name}={value!r} must be 'ieee', 'tf32x3' or 'bf16x6' "
+                         "(float32-grade products)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,10 @@ class ForwardConfig:
     state_warps / state_stages: that kernel's num_warps / num_stages.
     prepare_dot: precision of the prepare kernel's intra-chunk products Akk
       and Aqk: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32 products,
-      about fp32 accuracy), "tf32" (NVIDIA only) or "bf16" (operands rounded
-      to bf16).
+      about fp32 accuracy), "tf32" (NVIDIA only), "bf16" (operands rounded
+      to bf16), "bf16x3" (three bf16 products of a two-term split, about
+      1e-5 relative; NVIDIA and AMD) or "bf16x6" (six products of a
+      three-term split, about fp32 accuracy; NVIDIA and AMD).
     inverse_dot: precision of the products that merge the inverse's 16-row
       diagonal blocks (which are always exact float32 sweeps) with 16-bit
       inputs: "ieee" or, on NVIDIA, "tf32x3" or "tf32". With float32 inputs
@@ -113,24 +115,13 @@ class ForwardConfig:
                 raise ValueError(f"{name}={value} must be one of 1, 2, 3, 4")
 
 
-# sm90: measured on the H200 (bench.tune_forward at (1, 8192, 32), bf16):
-# [64, 32] tiles at 4 warps beat 8 warps (1 block per SM at ~240 registers)
-# and 16-wide slices; tf32 for Akk and Aqk (1.165 against 1.272 ms with tf32x3,
-# o's relative RMS error 3.67e-3 against 3.60e-3; the inverse itself stays
-# fp32-grade), bf16 for w and u (3.6e-3 against 3.2e-3 with fp32 products).
-# Session 6, after the inverse's diagonal blocks moved to a [4, 16, 16] sweep
-# (forward 1.024 ms, fla 1.006): a tf32 merge of the inverse 0.949 ms against
-# 1.056 (o's error unchanged, 3.666e-3: X is rounded to bf16 for w and u
-# anyway), three stages in the state kernel 0.924 (bench.tune_forward, one run).
-# Wide state tiles keep two stages: float32 at K = 128 takes 248 KiB of shared
-# memory at three (over the H200's 227 KiB; 132 KiB at two).
-# AMD: from the AOT report
-# (no AMD GPU here): whole-chunk [64, 32] tiles at 4 waves keep gfx950's
-# prepare kernel near 230 VGPRs with no spills (2 waves per SIMD); fp32
-# "ieee" products run on the fp32 MFMA/WMMA units, since these parts have no
-# safe TF32 (ROCM_NOTES.md). gfx1250 is wave32: a warp there is half a gfx950
-# wave and gets twice the warps for the same tile. AITER's FlashKDA recurrence
-# uses 2 warps per 16-32 wide V block on gfx950.
+# Why each entry is as it is, in one line; the measurements behind them are in
+# docs/tuning.md. sm90: whole-chunk [64, 32] tiles at 4 warps, tf32 Akk/Aqk and
+# bf16 w/u (errors within the bf16 tolerance; fp32-grade products cost 10-60 %),
+# float32 inputs fp32-grade everywhere, three state stages (wide tiles two: three
+# exceed the 227 KiB of shared memory). AMD targets: the same tiles at 4 waves of
+# 64 keep gfx950's prepare kernel under 256 VGPRs without spills; gfx1250 is
+# wave32 and takes twice the warps for the same tile (docs/rocm.md).
 FORWARD = {
     "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                           state_block_v=32, state_warps=4, state_stages=3,
@@ -276,20 +267,10 @@ class RecurrentConfig:
 # per lane (64 at K = 256): 4 warps of 32 on sm90 and gfx1250 (wave32), 2
 # waves of 64 on gfx950 and gfx942.
 RECURRENT = {
-    # sm90: 64 wide, 4 warps (32 wide past K = 128). The H200, dense decode
-    # of 256 one-token sequences, H = 32, K = V = 128, launched from one
-    # PyTorch process beside fla's kernel (bench.decode_kernels_torch, session
-    # 11, both reductions in one pass): 64 x 4 0.267-0.269 ms, 32 x 4
-    # 0.268-0.274, 16 x 2 0.281-0.284, 64 x 8 0.293-0.297, 32 x 8 0.305-0.310;
-    # fla's 0.275. The state is a copy with arithmetic on the way, and rows of
-    # 64 floats copy faster than rows of 32 (bench.decode_memory: a plain copy
-    # in [128, 64] tiles 0.263-0.264 ms, in [128, 32] tiles 0.272-0.275).
-    # stages=2 also pipelines the token loop: the serving decode (bounds from
-    # metadata) 0.344 -> 0.282 ms against fla's 0.289-0.294 (session 10). On
-    # the AMD targets it costs VGPRs in the varlen form (gfx950 89 -> 110, no
-    # spills) and is untimed there.
-    # With bounds loaded (the serving decode, a pool) 32 wide: 0.282 ms at
-    # 32 x 4 against fla's 0.289-0.294 (session 10).
+    # sm90: rows of 64 floats copy faster than rows of 32 (the dense decode is a
+    # state copy with arithmetic on the way); with bounds loaded from metadata
+    # the 32-wide tile is faster; stages=2 pipelines the token loop
+    # (docs/tuning.md, decode).
     "sm90": RecurrentConfig(block_v=64, warps=4, stages=2, block_v_wide=32, block_v_bounds=32),
     "gfx950": RecurrentConfig(block_v=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, warps=2, stages=2),
@@ -445,27 +426,9 @@ class BackwardConfig:
 # Untuned starting points (correctness first; the GPU tuning is still to do).
 # AMD targets use 2 waves of 64 where NVIDIA uses 4 warps of 32, as in FORWARD.
 BACKWARD = {
-    # sm90: the products' backward runs in tf32 (tf32x3 and fp32 spill at every
-    # warp count and K block tried, 4-16 warps, 16-32 wide); float32
-    # intermediates in the state passes and the inter kernel take tf32x3.
-    # The wy kernel: tf32 products with X^T for 16-bit inputs (126 registers
-    # at 8 warps, 2 blocks per SM; its fp32 FMA products took 255 registers
-    # and 3.1 of 8.2 ms at (1, 8192, 32)); float32 inputs keep fp32 FMA
-    # products (174 registers; tf32x3 spills there). The recompute takes the
-    # forward's Akk/Aqk precision (at tf32x3 it took 1.29 ms at (1, 8192, 32),
-    # the forward's prepare 0.84) but 16-wide K slices: storing X^T at 32
-    # wide spills at K = 100 (32 wide was 0.15 ms faster at K = 128).
-    # bench.tune_backward at (1, 8192, 32), fwd+bwd: 5.92 ms with 16-wide K
-    # blocks in the intra kernel at 8 warps, 5.24 at 4 warps, 5.11 at 32 wide
-    # and 8 warps (shipped); one program looping over the K blocks took 5.41
-    # (5.04 at 32 wide, but that spills 96 bytes).
-    # Session 6, with the inverse's [4, 16, 16] sweep (fewer registers): the
-    # recompute at 32-wide K slices no longer spills; fwd+bwd 4.873 ms against
-    # 5.014 at 16 wide, 4.783 with a tf32 merge of the inverse too (gradient
-    # errors unchanged to 3 digits; bench.tune_backward --grid recompute).
-    # No kernel spills on any target (kda_jax.aot).
-    # Float32 at K = 128: the inter kernel's [32, 64] blocks spill 108 bytes,
-    # [32, 32] take 210 registers.
+    # sm90: the largest blocks that compile without spills at every spec
+    # (kda_jax.aot); tf32 products with 16-bit inputs, fp32-grade ones with
+    # float32 inputs (docs/tuning.md, backward).
     "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=4, prepare_dot="tf32",
                            prepare_wu_dot="tf32x3", inverse_dot="tf32", state_block_v=16,
                            inter_block_k=32,
@@ -485,13 +448,8 @@ BACKWARD = {
     "default": BackwardConfig(),
 }
 
-# Chunk 32: narrower K and V blocks for the inter kernel (at [32, 16] x 64 V
-# ptxas caps it at 128 registers and spills; 16-wide V blocks take 72); the
-# recompute at 64-wide K slices, as the forward's chunk-32 prepare (at 16 and
-# 32 wide ptxas caps it at 128 / 168 registers and it spills at K = 100).
-# Float32 at K = 128: the recompute's 64-wide slices spill 76 bytes (32-wide
-# as the forward's), and the reverse state pass spills 32 bytes with dS in two
-# K halves, none whole (255 registers).
+# Chunk 32 on sm90: narrower inter blocks and 64-wide recompute slices, where the
+# chunk-64 entry spills under ptxas's register caps (kda_jax.aot).
 BACKWARD_C32 = {
     "sm90": dataclasses.replace(BACKWARD["sm90"], prepare_block_k=64, prepare_warps=4,
                                 inter_block_k=16, inter_block_v=16, inter_block_v_fp32=None,

@@ -34,10 +34,11 @@ TOLERANCES = {
     "float32": dict(rel_rms=1e-4, max_abs=1e-3),
     "float16": dict(rel_rms=2e-3, max_abs=2e-2),
     "bfloat16": dict(rel_rms=5e-3, max_abs=5e-2),
-    # Gates of -1000 per step drive the chunk-local cumsum G to about -1e4; a
-    # float32 difference G_i - G_j then carries |G| * 6e-8 ~ 6e-4 absolute
-    # error, which every chunked implementation (fla's too) inherits. Measured
-    # 1.6e-4 relative RMS on o for both the XLA and the Triton path.
+    # Gates of -1000 per step. The chunked paths floor the log-decay at -110
+    # and take exponents that are differences of the chunk-local cumsum G as
+    # partial sums of g, so they meet "float32" here too (measured about 2e-7
+    # relative RMS on o, tests/test_gate_extremes.py); the looser entry is
+    # kept for the tests that still name it.
     "float32-extreme-gates": dict(rel_rms=1e-3, max_abs=5e-3),
 }
 

@@ -30,8 +30,8 @@ from kda_jax.options import KdaOptions
 
 __all__ = ["chunk_kda_xla", "fused_recurrent_kda_xla"]
 
-# Sub-block rows for the intra-chunk products: exponents are anchored on the
-# first row of each 16-row block so that every exp() sees a value <= 0.
+# Sub-block rows for the intra-chunk products: exponents factor through the
+# row before each 16-row block, so that every exp() sees a value <= 0.
 _SUB = 16
 _HI = jax.lax.Precision.HIGHEST
 
@@ -65,14 +65,56 @@ def _scatter_tokens(y, slot_of_token):
     return jnp.take(flat, slot_of_token, axis=0, mode="fill", fill_value=0)
 
 
+def _batch_valid(batch: VarlenBatch) -> jax.Array:
+    """bool scalar: whether the batch's metadata is what
+    :func:`kda_jax.bounds.bucketed_metadata` builds from the bounds it holds
+    (the host check of a NumPy buffer, made on the device for a device buffer:
+    every table but the padding between them, which nothing reads)."""
+    bucket = batch.bucket
+    nb, cs = bucket.max_seqs, bucket.chunk_size
+    n, t, nc, c = (batch.table("header")[i] for i in range(4))
+    cu, co, ct = batch.table("cu_seqlens"), batch.table("chunk_offsets"), batch.table("chunk_table")
+    slot = jnp.arange(nb + 2, dtype=jnp.int32)
+    ok = ((n >= 1) & (n <= nb) & (t >= 0) & (t <= bucket.max_tokens) & (nc >= 0)
+          & (nc <= bucket.max_chunks) & (c == cs) & (cu[0] == 0))
+    ok &= jnp.all((cu[1:] >= cu[:-1]) | (slot[1:] > n))  # non-decreasing up to cu[n]
+    ok &= jnp.all((cu == t) | (slot < n))  # cu[n] == T, and T repeated after it
+    lens = jnp.where(slot[:-1] < n, cu[1:] - cu[:-1], 0)
+    if bucket.max_len is not None:
+        ok &= jnp.all(lens <= bucket.max_len)
+    expected_co = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + cs - 1) // cs)])
+    ok &= jnp.all(co == expected_co) & (expected_co[-1] == nc)
+    row = jnp.arange(bucket.max_chunks, dtype=jnp.int32)
+    seq = jnp.searchsorted(expected_co[1:], row, side="right").astype(jnp.int32)
+    seq = jnp.clip(seq, 0, nb)
+    real = row < nc
+    ok &= jnp.all(ct[:, 0] == jnp.where(real, seq, nb))
+    ok &= jnp.all(ct[:, 1] == jnp.where(real, row - expected_co[seq], 0))
+    return ok
+
+
+def _poison(x, tables):
+    """``x``, or NaN throughout when the tables come from a batch whose
+    metadata fails :func:`_batch_valid` (a device buffer cannot be checked on
+    the host: a result from a corrupt buffer must not pass for a result)."""
+    if isinstance(tables, dict):
+        return jnp.where(tables["valid"], x, jnp.nan).astype(x.dtype)
+    return x
+
+
 def _bucketed_tables(batch: VarlenBatch, chunk_size: int) -> dict[str, jax.Array]:
     """The :class:`LaneSchedule` tables of a one-lane schedule, from the batch's
     metadata on the device: slot s holds chunk-table row s (token s when
     ``chunk_size`` is 1). Padded rows point at the empty sentinel sequence
-    (so hold only padding); token rows past the real end map to no slot."""
+    (so hold only padding); token rows past the real end map to no slot.
+
+    Every value read from the metadata is clipped into its range first (a
+    no-op for a valid batch), so that each gather and scatter index below is
+    in range by construction, whatever the buffer holds; "valid" is
+    :func:`_batch_valid`, which turns the results into NaN when False."""
     nb, tb = batch.bucket.max_seqs, batch.bucket.max_tokens
-    cu = batch.table("cu_seqlens")  # [nb + 2]
-    t_real = batch.table("header")[1]
+    cu = jnp.clip(batch.table("cu_seqlens"), 0, tb)  # [nb + 2]
+    t_real = jnp.clip(batch.table("header")[1], 0, tb)
     i32 = jnp.int32
     tok = jnp.arange(tb, dtype=i32)
     live = tok < t_real
@@ -92,9 +134,10 @@ def _bucketed_tables(batch: VarlenBatch, chunk_size: int) -> dict[str, jax.Array
         last_slot = jnp.where(nonempty, cu[1 : nb + 1] - 1, slots)
     else:
         slots = batch.bucket.max_chunks
-        co = batch.table("chunk_offsets")
+        co = jnp.clip(batch.table("chunk_offsets"), 0, slots)
         ct = batch.table("chunk_table")
-        seq_at, j = ct[:, 0], ct[:, 1]
+        seq_at = jnp.clip(ct[:, 0], 0, nb)
+        j = jnp.clip(ct[:, 1], 0, -(-tb // chunk_size))
         start = cu[seq_at] + j * chunk_size
         rows = start[:, None] + jnp.arange(chunk_size, dtype=i32)[None, :]
         has = cu[seq_at + 1] > cu[seq_at]
@@ -113,6 +156,7 @@ def _bucketed_tables(batch: VarlenBatch, chunk_size: int) -> dict[str, jax.Array
         "seq_of_slot": column(jnp.where(first, seq_at, nb)),
         "last_slot": last_slot,
         "seq_ending": column(jnp.where(ending, seq_at, nb)),
+        "valid": _batch_valid(batch),
     }
 
 
@@ -124,10 +168,16 @@ def _schedule(bounds, chunk_size: int):
 
 
 def _prepare(q, k, v, g, beta, initial_state, A_log, dt_bias, opts: KdaOptions):
-    """Transforms, GVA expansion and flattening to ``[B*T, HV, ...]`` float32."""
+    """Sanitizing, transforms, the log-decay floor, GVA expansion and flattening
+    to ``[B*T, HV, ...]`` float32. Also returns the flattened ``poison`` and
+    ``q_bad`` flags ``[B*T, HV]`` of :func:`kda_jax.transforms.sanitize`."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
+    q, k, v, g, beta, poison, q_bad = transforms.sanitize(
+        q, k, v, g, beta, use_gate_in_kernel=opts.use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel)
     q, k, g, beta = transforms.prepare_inputs(q, k, g, beta, **opts.transform_flags(A_log, dt_bias))
+    g = transforms.log_decay(g)
     q = jnp.repeat(q, hv // h, axis=2)
     k = jnp.repeat(k, hv // h, axis=2)
     flat = lambda x: x.reshape((b * t,) + x.shape[2:])
@@ -136,7 +186,8 @@ def _prepare(q, k, v, g, beta, initial_state, A_log, dt_bias, opts: KdaOptions):
         h0 = initial_state.astype(jnp.float32)
         if opts.state_v_first:
             h0 = jnp.swapaxes(h0, -1, -2)
-    return flat(q), flat(k), flat(v.astype(jnp.float32)), flat(g), flat(beta), h0
+    return (flat(q), flat(k), flat(v.astype(jnp.float32)), flat(g), flat(beta), h0,
+            flat(poison), flat(q_bad))
 
 
 def _initial_rows(h0, n, hv, kd, vd):
@@ -151,35 +202,57 @@ def _finish_state(final, state_v_first):
     return jnp.swapaxes(final, -1, -2) if state_v_first else final
 
 
-def _decay_products(x, y, G, *, inclusive):
-    """``M[i, j] = sum_d x_id y_jd exp(G_id - G_jd)`` for j < i (j <= i if inclusive).
+def _suffix_sums(g):
+    """``sum_{r > i} g_r`` along the rows (axis -2) of ``g [..., C, K]``: a
+    reverse cumsum shifted by one row, so each entry is a sum of the g it
+    spans (error relative to that sum, not to the chunk's total)."""
+    rev = jnp.flip(jnp.cumsum(jnp.flip(g, axis=-2), axis=-2), axis=-2)
+    return jnp.concatenate([rev[..., 1:, :], jnp.zeros_like(rev[..., :1, :])], axis=-2)
 
-    x, y, G: ``[..., C, K]`` float32 with G non-increasing along C. Blocks of
-    16 rows below the diagonal use the block's first row as anchor; diagonal
-    blocks take the pairwise differences. Every exponent is <= 0.
+
+def _decay_products(x, y, g, *, inclusive):
+    """``M[i, j] = sum_d x_id y_jd exp(G_id - G_jd)`` for j < i (j <= i if
+    inclusive), G the cumsum of g along C.
+
+    x, y, g: ``[..., C, K]`` float32, g <= 0 (floored: finite). Every exponent
+    is a partial sum of g over the rows it spans, never a difference of two
+    prefix sums: its error is relative to itself, however large G gets. Blocks
+    of 16 rows below the diagonal factor through the row before the block:
+    row i takes e^(sum of g from the block's first row to i), column j of an
+    earlier block e^(sum of g from j + 1 to the row before the block) (the
+    rest of j's block plus the whole blocks in between). Diagonal blocks take
+    the pairwise partial sums. Every exponent is <= 0.
     """
-    c, kd = G.shape[-2:]
+    c, kd = g.shape[-2:]
     nb = c // _SUB
-    lead = G.shape[:-2]
+    lead = g.shape[:-2]
     blk = lambda a: a.reshape(lead + (nb, _SUB, kd))
-    Gb, xb, yb = blk(G), blk(x), blk(y)
-    anchor = Gb[..., :, :1, :]  # [..., nb, 1, K]
+    gb, xb, yb = blk(g), blk(x), blk(y)
+    within = jnp.cumsum(gb, axis=-2)  # [..., nb, 16, K]: from the block's first row
+    after = _suffix_sums(gb)  # [..., nb, 16, K]: to the block's last row
+    total = within[..., -1, :]  # [..., nb, K]
 
-    # Off-diagonal blocks: column j belongs to a block before row block I.
+    # Off-diagonal blocks: column j (block c) before row block b; the whole
+    # blocks strictly between c and b, summed with a select (at most nb - 2 terms).
+    bi = np.arange(nb)
+    between = (bi[None, None, :] > bi[None, :, None]) & (bi[None, None, :] < bi[:, None, None])
+    span = jnp.sum(jnp.where(between[..., None], total[..., None, None, :, :], 0.0), axis=-2)
+    col_exp = after.reshape(lead + (1, c, kd)) + jnp.repeat(span, _SUB, axis=-2)  # [..., nb, C, K]
     rows = np.arange(c)
-    before = rows[None, :] < (np.arange(nb) * _SUB)[:, None]  # [nb, C]
-    x_row = xb * jnp.exp(Gb - anchor)
-    col_exp = jnp.where(before[:, :, None], anchor - G[..., None, :, :], 0.0)
+    before = rows[None, :] < (bi * _SUB)[:, None]  # [nb, C]
+    x_row = xb * jnp.exp(within)
+    col_exp = jnp.where(before[:, :, None], col_exp, 0.0)
     y_col = y[..., None, :, :] * jnp.where(before[:, :, None], jnp.exp(col_exp), 0.0)
     off = jnp.einsum("...bik,...bjk->...bij", x_row, y_col, precision=_HI)
     off = off.reshape(lead + (c, c))
 
-    # Diagonal blocks, pairwise.
+    # Diagonal blocks: D[i, j] = sum of g over rows j + 1 .. i.
     sub = np.arange(_SUB)
+    spans = jnp.where((sub[:, None] > sub[None, :])[:, :, None], gb[..., :, None, :], 0.0)
+    pair = jnp.cumsum(spans, axis=-3)  # [..., nb, 16 (i), 16 (j), K]
     keep = (sub[None, :] <= sub[:, None]) if inclusive else (sub[None, :] < sub[:, None])
     keep = keep[:, :, None]
-    diff = jnp.where(keep, Gb[..., :, None, :] - Gb[..., None, :, :], 0.0)
-    decay = jnp.where(keep, jnp.exp(diff), 0.0)
+    decay = jnp.where(keep, jnp.exp(jnp.where(keep, pair, 0.0)), 0.0)
     diag = jnp.einsum("...bid,...bjd,...bijd->...bij", xb, yb, decay, precision=_HI)
     diag = jnp.einsum("...bij,bc->...bicj", diag, np.eye(nb, dtype=np.float32))
     return off + diag.reshape(lead + (c, c))
@@ -196,7 +269,8 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     b, t, _, kd = q.shape
     hv, vd = v.shape[-2:]
     out_dtype = q.dtype
-    q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state, A_log, dt_bias, opts)
+    q, k, v, g, beta, h0, poison, q_bad = _prepare(q, k, v, g, beta, initial_state, A_log,
+                                                    dt_bias, opts)
     scale = opts.scale
     tables, n = _schedule(bounds, opts.chunk_size)
     idx = tables["token_index"]
@@ -205,39 +279,52 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     # Slots, heads before rows: [S, L, HV, C, K|V] and beta [S, L, HV, C].
     to_heads = lambda x: jnp.moveaxis(_gather_slots(x, idx), 2, 3)
     q, k, v, g = (to_heads(x) for x in (q, k, v, g))
-    beta = jnp.swapaxes(_gather_slots(beta, idx), 2, 3)
+    rows_of = lambda x: jnp.swapaxes(_gather_slots(x, idx), 2, 3)
+    beta, poison, q_bad = rows_of(beta), rows_of(poison), rows_of(q_bad)
+    # A non-finite input poisons its row and every later row of the chunk,
+    # and the state after it; earlier rows see zeros in its place.
+    poisoned = jnp.cumsum(poison.astype(jnp.int32), axis=-1) > 0  # [S, L, HV, C]
+    chunk_poisoned = poisoned[..., -1]  # [S, L, HV]
 
     G = jnp.cumsum(g, axis=-2)
-    G_last = G[..., -1:, :]
-    Akk = _decay_products(k, k, G, inclusive=False) * beta[..., :, None]
-    Aqk = _decay_products(q, k, G, inclusive=True) * scale
+    Akk = _decay_products(k, k, g, inclusive=False) * beta[..., :, None]
+    Aqk = _decay_products(q, k, g, inclusive=True) * scale
     eye = jnp.eye(c, dtype=jnp.float32)
     A = jax.scipy.linalg.solve_triangular(
         eye + Akk, jnp.broadcast_to(eye, Akk.shape), lower=True, unit_diagonal=True
     )
     w = jnp.matmul(A, beta[..., None] * k * jnp.exp(G), precision=_HI)
     u = jnp.matmul(A, beta[..., None] * v, precision=_HI)
-    k_tail = k * jnp.exp(G_last - G)
-    decay_last = jnp.exp(G_last)[..., 0, :, None]  # [S, L, HV, K, 1]
+    k_tail = k * jnp.exp(_suffix_sums(g))  # e^(G_last - G) from partial sums
+    decay_last = jnp.exp(G[..., -1:, :])[..., 0, :, None]  # [S, L, HV, K, 1]
 
     h_init = _initial_rows(h0, n, hv, kd, vd)
     first = tables["first"].astype(bool)
     seq_of_slot = tables["seq_of_slot"]
 
-    def step(state, xs):
-        w_s, u_s, kt_s, dl_s, first_s, seq_s = xs
+    # The carried state stays finite (the sanitized computation); a flag per
+    # lane and head says whether its sequence was poisoned before the chunk,
+    # and the NaNs go on the outputs only, as selects: no cotangent meets a NaN.
+    def step(carry, xs):
+        state, flag = carry
+        w_s, u_s, kt_s, dl_s, first_s, seq_s, bad_s = xs
         state = jnp.where(first_s[:, None, None, None], h_init[seq_s], state)
+        flag = jnp.where(first_s[:, None], False, flag)
         v_new = u_s - jnp.matmul(w_s, state, precision=_HI)
         nxt = dl_s * state + jnp.matmul(jnp.swapaxes(kt_s, -1, -2), v_new, precision=_HI)
-        return nxt, (state, v_new)
+        return (nxt, flag | bad_s), (state, v_new, flag)
 
     state0 = jnp.zeros((lanes, hv, kd, vd), jnp.float32)
-    _, (h, v_new) = jax.lax.scan(step, state0, (w, u, k_tail, decay_last, first, seq_of_slot))
+    flag0 = jnp.zeros((lanes, hv), bool)
+    xs = (w, u, k_tail, decay_last, first, seq_of_slot, chunk_poisoned)
+    _, (h, v_new, before) = jax.lax.scan(step, (state0, flag0), xs)
+    chunk_poisoned = chunk_poisoned | before  # the state after the chunk is NaN
 
     o = jnp.matmul(q * jnp.exp(G), h, precision=_HI) * scale
     o = o + jnp.matmul(Aqk, v_new, precision=_HI)
+    o = jnp.where((poisoned | q_bad | before[..., None])[..., None], jnp.nan, o)
     o = _scatter_tokens(jnp.moveaxis(o, 3, 2), tables["slot_of_token"])
-    o = o.reshape(b, t, hv, vd).astype(out_dtype)
+    o = _poison(o.reshape(b, t, hv, vd), tables).astype(out_dtype)
     if not opts.output_final_state:
         return o, None
 
@@ -248,8 +335,9 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     after = pick(decay_last) * pick(h) + jnp.matmul(
         jnp.swapaxes(pick(k_tail), -1, -2), pick(v_new), precision=_HI
     )
+    after = jnp.where(pick(chunk_poisoned)[..., None, None], jnp.nan, after)
     empty = last == steps * lanes  # from the packed table: no second metadata constant
-    final = jnp.where(empty[:, None, None, None], h_init[:-1], after)
+    final = _poison(jnp.where(empty[:, None, None, None], h_init[:-1], after), tables)
     return o, _finish_state(final, opts.state_v_first)
 
 
@@ -260,35 +348,43 @@ def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     b, t, _, kd = q.shape
     hv, vd = v.shape[-2:]
     out_dtype = q.dtype
-    q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state, A_log, dt_bias, opts)
+    q, k, v, g, beta, h0, poison, q_bad = _prepare(q, k, v, g, beta, initial_state, A_log,
+                                                    dt_bias, opts)
     scale = opts.scale
     tables, n = _schedule(bounds, 1)
     idx = tables["token_index"]
     steps, lanes, _ = idx.shape
     slots = lambda x: _gather_slots(x, idx)[:, :, 0]
-    q, k, v, g, beta = (slots(x) for x in (q, k, v, g, beta))
+    q, k, v, g, beta, poison, q_bad = (slots(x) for x in (q, k, v, g, beta, poison, q_bad))
 
     h_init = _initial_rows(h0, n, hv, kd, vd)
     first = tables["first"].astype(bool)
 
     def step(carry, xs):
-        state, finals = carry
-        q_s, k_s, v_s, g_s, b_s, first_s, seq_s, end_s = xs
+        state, flag, finals = carry
+        q_s, k_s, v_s, g_s, b_s, bad_s, qbad_s, first_s, seq_s, end_s = xs
         state = jnp.where(first_s[:, None, None, None], h_init[seq_s], state)
         state = jnp.exp(g_s)[..., None] * state
         kv = jnp.einsum("lhk,lhkv->lhv", k_s, state, precision=_HI)
         state = state + (b_s[..., None] * k_s)[..., None] * (v_s - kv)[..., None, :]
         o_s = scale * jnp.einsum("lhk,lhkv->lhv", q_s, state, precision=_HI)
+        # A non-finite input poisons the state from its token on: the carried
+        # state stays the sanitized one and the flag puts NaN on the outputs,
+        # as selects (no cotangent meets a NaN).
+        flag = jnp.where(first_s[:, None], False, flag) | bad_s
+        o_s = jnp.where((qbad_s | flag)[..., None], jnp.nan, o_s)
+        filed = jnp.where(flag[..., None, None], jnp.nan, state)
         # Lanes whose sequence ends here file its state; others write row N.
-        finals = finals.at[end_s].set(state) if opts.output_final_state else finals
-        return (state, finals), o_s
+        finals = finals.at[end_s].set(filed) if opts.output_final_state else finals
+        return (state, flag, finals), o_s
 
     state0 = jnp.zeros((lanes, hv, kd, vd), jnp.float32)
+    flag0 = jnp.zeros((lanes, hv), bool)
     finals0 = h_init if opts.output_final_state else jnp.zeros((0,), jnp.float32)
-    xs = (q, k, v, g, beta, first, tables["seq_of_slot"], tables["seq_ending"])
-    (_, finals), o = jax.lax.scan(step, (state0, finals0), xs)
+    xs = (q, k, v, g, beta, poison, q_bad, first, tables["seq_of_slot"], tables["seq_ending"])
+    (_, _, finals), o = jax.lax.scan(step, (state0, flag0, finals0), xs)
     o = _scatter_tokens(o[:, :, None], tables["slot_of_token"])
-    o = o.reshape(b, t, hv, vd).astype(out_dtype)
+    o = _poison(o.reshape(b, t, hv, vd), tables).astype(out_dtype)
     if not opts.output_final_state:
         return o, None
-    return o, _finish_state(finals[:n], opts.state_v_first)
+    return o, _finish_state(_poison(finals[:n], tables), opts.state_v_first)

@@ -38,29 +38,31 @@ v_new, dv_new [T, HV, V] and w, qg, kt, aqk as the forward's (work dtype);
 X, dL and scale * dAqk [T, HV, BT] fp32; partial dq, dk, dG and dw
 [T, HV, K] fp32. dq and dk are per value head (the caller sums a GVA group);
 dbeta comes in two parts (the wy kernel's [T, HV] and the intra kernel's
-[T, HV, NK]) that the caller adds. Varlen metadata as chunk_fwd.
+[T, HV, NK]) that the caller adds. Varlen metadata as chunk_fwd, clamped by
+kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
 have exponents <= 0, and the products' backward anchors on the chunk's middle
-row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback.
+row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback. The
+inter kernel and that fallback take exponents that are differences of G as
+partial sums of the log-decays g (the caller floors g at GATE_FLOOR), with
+error relative to themselves, not to |G|.
 """
 
 import triton
 import triton.language as tl
 
-from .chunk_fwd import ANCHOR_SPAN, _anchor_rows, _dot, _g_rows, _g_tile, _row_of, _tile
+from .chunk_fwd import (ANCHOR_SPAN, _anchor_rows, _dot, _g_rows, _g_tile, _row_of,
+                        _suffix_exponent, _tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
+from .varlen import chunk_span, seq_chunks, seq_span
 
 
 @triton.jit
-def _chunk_rows(meta, off_cu, off_ct, i_c, BT: tl.constexpr):
+def _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT: tl.constexpr):
     """Rows of chunk-table entry i_c: (first row t0, rows in the chunk n_rows,
     o_t = 0..BT-1, rows = t0 + o_t, the mask o_t < n_rows, rows as int64)."""
-    i_n = tl.load(meta + off_ct + 2 * i_c)
-    i_j = tl.load(meta + off_ct + 2 * i_c + 1)
-    bos = tl.load(meta + off_cu + i_n)
-    eos = tl.load(meta + off_cu + i_n + 1)
-    t0 = bos + i_j * BT
+    t0, eos = chunk_span(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
     rows = t0 + o_t
@@ -80,6 +82,12 @@ def _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT: tl.constexpr, HV: tl.c
 
 
 @triton.jit
+def _g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
+    """The log-decays g [BT, BK] (float32; 0 on rows past the sequence)."""
+    return _tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+
+
+@triton.jit
 def _col_of(b_x, o_t, j):
     """Column j of a [BT, BT] tile as a [BT] vector."""
     return tl.sum(tl.where(o_t[None, :] == j, b_x, 0.), axis=1)
@@ -87,7 +95,7 @@ def _col_of(b_x, o_t, j):
 
 @triton.jit
 def kda_bwd_state_kernel(
-    w, u, kt, gl, h0, meta, off_cu, off_co,
+    w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows,
     h, vn,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
@@ -97,10 +105,8 @@ def kda_bwd_state_kernel(
     (h, fp32) and v_new; one program per (sequence, value head, V block).
     SPLIT_K: the state is two [BK, BV] tiles, as the forward's."""
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(meta + off_cu + i_n)
-    eos = tl.load(meta + off_cu + i_n + 1)
-    c0 = tl.load(meta + off_co + i_n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
+    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     m_v = o_v < V
@@ -146,7 +152,7 @@ def kda_bwd_state_kernel(
 
 @triton.jit
 def kda_bwd_dstate_kernel(
-    qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co,
+    qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co, n_tokens, n_chunk_rows,
     dh, dvn, dh0,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
@@ -158,10 +164,8 @@ def kda_bwd_dstate_kernel(
     fp32), dv_new, and the initial state's gradient. SPLIT_K: dS is two
     [BK, BV] tiles, as the forward's state."""
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(meta + off_cu + i_n)
-    eos = tl.load(meta + off_cu + i_n + 1)
-    c0 = tl.load(meta + off_co + i_n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
+    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     m_v = o_v < V
@@ -242,7 +246,7 @@ def kda_bwd_dstate_kernel(
 
 @triton.jit
 def kda_bwd_inter_kernel(
-    q, k, gc, h, dh, vn, dvn, do, meta, off_cu, off_ct,
+    q, k, gc, g, h, dh, vn, dvn, do, meta, off_cu, off_ct, n_bounds, n_tokens,
     dq, dk, dg, dw,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -255,7 +259,8 @@ def kda_bwd_inter_kernel(
     kernel hands to every row of the chunk."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     i_c64 = i_c.to(tl.int64)
@@ -286,9 +291,10 @@ def kda_bwd_inter_kernel(
     b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_eg = tl.exp(b_G)
-    b_kt = b_k * tl.exp(b_last[None, :] - b_G)
+    b_et = tl.exp(_suffix_exponent(_g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)))
+    b_kt = b_k * b_et
     b_dq = b_dqg * b_eg * SCALE
-    b_dk = b_dkt * tl.exp(b_last[None, :] - b_G)
+    b_dk = b_dkt * b_et
     b_dG = b_dqg * b_q * b_eg * SCALE - b_dkt * b_kt
     b_dlast = tl.sum(b_dkt * b_kt, axis=0) + b_dgl * tl.exp(b_last)
     b_dG += tl.where(o_t[:, None] == n_rows - 1, b_dlast[None, :], 0.)
@@ -302,10 +308,11 @@ def kda_bwd_inter_kernel(
 
 
 @triton.jit
-def _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dakk, b_daqs, o_t, n_rows,
+def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
                         BT: tl.constexpr, BK: tl.constexpr):
     """Backward of the intra-chunk products, one column j at a time with
-    pairwise decays e^(G_i - G_j) (i >= j, exponents <= 0): exact for any gate.
+    pairwise decays e^(G_i - G_j) (i >= j, exponents <= 0, summed from the
+    log-decays b_g of rows j + 1 .. i): exact for any gate.
 
     Returns (dq, dk, dG, P) for this K slice, P_i = sum_j dL_ij k_j e^(G_i - G_j)
     (dk gets beta * P and dbeta gets sum_K(k P) from the caller)."""
@@ -315,9 +322,9 @@ def _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dakk, b_daqs, o_t, n_rows,
     b_p = tl.zeros([BT, BK], dtype=tl.float32)
     for j in range(0, n_rows):
         b_kj = _row_of(b_k, o_t, j)
-        b_Gj = _row_of(b_G, o_t, j)
         m_i = o_t[:, None] >= j
-        b_e = tl.where(m_i, tl.exp(tl.where(m_i, b_G - b_Gj[None, :], 0.)), 0.)
+        b_d = tl.cumsum(tl.where(o_t[:, None] > j, b_g, 0.), axis=0)
+        b_e = tl.where(m_i, tl.exp(tl.where(m_i, b_d, 0.)), 0.)
         b_ke = b_e * b_kj[None, :]
         a_l = _col_of(b_dl, o_t, j)
         a_k = _col_of(b_dakk, o_t, j)
@@ -354,7 +361,8 @@ def _x_transposed(x, p_tt, m_t):
 
 @triton.jit
 def kda_bwd_wy_kernel(
-    k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw, meta, off_cu, off_ct,
+    k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw, meta, off_cu, off_ct, n_bounds,
+    n_tokens,
     dv, dk_w, dg_w, dl, daqk, dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -370,7 +378,8 @@ def kda_bwd_wy_kernel(
     "tf32x3"); do v_new^T and dv_new u^T multiply 16-bit intermediates
     natively (exact products) and take DOT_X only for float32 ones."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     i_h = i_hv // (HV // H)
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
@@ -443,7 +452,7 @@ def _anchored_ok(gc, t0, n_rows, i_hv, BT: tl.constexpr, BK: tl.constexpr, HV: t
 
 
 @triton.jit
-def _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
+def _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
                  t0, n_rows, i_h, i_hv, ks, o_t, rows, m_t, r64,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                  BK: tl.constexpr, DOT_A: tl.constexpr):
@@ -479,7 +488,8 @@ def _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast
         b_dk += b_dkc * b_ec
         b_dG -= b_dkc * b_kc
     else:
-        e_dq, e_dk, e_dG, e_p = _products_exact_bwd(b_q, b_k, b_G, b_dl, b_dl * b_b[:, None],
+        b_g = _g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+        e_dq, e_dk, e_dG, e_p = _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dl * b_b[:, None],
                                                     b_daqs, o_t, n_rows, BT, BK)
         b_db = tl.sum(e_p * b_k, axis=1)
         b_dk += e_dk + e_p * b_b[:, None]
@@ -494,7 +504,8 @@ def _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast
 
 @triton.jit
 def kda_bwd_intra_kernel(
-    q, k, gc, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct,
+    q, k, gc, g, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct, n_bounds,
+    n_tokens,
     dq, dk, dg, dbeta_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, DOT_A: tl.constexpr, LOOP_K: tl.constexpr,
@@ -508,7 +519,8 @@ def kda_bwd_intra_kernel(
     one column per program along K (NK = 1 with LOOP_K)."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)
@@ -517,11 +529,11 @@ def kda_bwd_intra_kernel(
     if LOOP_K:
         b_db = tl.zeros([BT], dtype=tl.float32)
         for ks in range(0, K, BK):
-            b_db += _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs,
+            b_db += _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs,
                                  fast, t0, n_rows, i_h, i_hv, ks, o_t, rows, m_t, r64,
                                  H, HV, K, BT, BK, DOT_A)
     else:
-        b_db = _intra_block(q, k, gc, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
+        b_db = _intra_block(q, k, gc, g, dq_p, dk_w, dg_w, dq, dk, dg, b_b, b_dl, b_daqs, fast,
                             t0, n_rows, i_h, i_hv, i_k * BK, o_t, rows, m_t, r64,
                             H, HV, K, BT, BK, DOT_A)
     tl.store(dbeta_k + (r64 * HV + i_hv) * tl.num_programs(2) + i_k, b_db, mask=m_t)

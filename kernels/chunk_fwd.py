@@ -17,38 +17,24 @@ Layouts (tokens of all sequences packed along T):
   gc [T, HV, K] fp32 (the prepare kernel's scratch: G);
   states [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST) fp32.
 Varlen comes from one int32 metadata buffer: cu_seqlens at ``off_cu``,
-chunk_offsets at ``off_co`` and the (sequence, chunk) table at ``off_ct``.
+chunk_offsets at ``off_co`` and the (sequence, chunk) table at ``off_ct``,
+read through kernels.varlen, which clamps every index taken from it to the
+arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 
 The prepare kernel works on whole-chunk tiles [BT, BK]. Every exponent of a
 decay factor is bounded: the intra-chunk products anchor on the middle row of
 the chunk (factors within e^(+-ANCHOR_SPAN)) and fall back to exact pairwise
-differences, column by column, for a K slice whose gates are steeper.
+exponents, column by column, for a chunk whose gates are steeper; there the
+exponents are partial sums of the log-decays (floored at GATE_FLOOR,
+kernels/gate.py), so their error is relative to themselves, not to |G|.
 """
 
 import triton
 import triton.language as tl
 
+from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state
-
-
-@triton.jit
-def _gate(b_g, p_alog, p_dtb, i_hv, o_k, m_k, K: tl.constexpr,
-          USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-          HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
-    """Raw gate -> log-decay (KDA_SPEC section 2), float32."""
-    if USE_GATE:
-        if HAS_DT_BIAS:
-            b_dt = tl.load(p_dtb + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
-            b_g = b_g + b_dt[None, :]
-        if HAS_LOWER_BOUND:
-            if HAS_A_LOG:
-                b_g = b_g * tl.exp(tl.load(p_alog + i_hv).to(tl.float32))
-            b_g = LOWER_BOUND * tl.sigmoid(b_g)
-        else:
-            b_a = tl.exp(tl.load(p_alog + i_hv).to(tl.float32))
-            b_sp = tl.where(b_g > 20., b_g, tl.log(1. + tl.exp(tl.minimum(b_g, 20.))))
-            b_g = -b_a * b_sp
-    return b_g
+from .varlen import chunk_span, seq_chunks, seq_span
 
 
 # A K slice takes the anchored (matrix-product) path while every channel's
@@ -59,15 +45,21 @@ ANCHOR_SPAN = tl.constexpr(60.0)
 
 @triton.jit
 def _dot(a, b, DOT: tl.constexpr):
-    """a @ b, float32 accumulate. DOT: 0 = fp32 "ieee", 1 = "tf32x3" (NVIDIA:
-    three tf32 products, about fp32 accuracy), 2 = "tf32", 3 = operands
-    rounded to bf16."""
+    """a @ b, float32 accumulate. DOT indexes kda_jax.configs.DOT_MODES:
+    0 = fp32 "ieee", 1 = "tf32x3" (NVIDIA: three tf32 products, about fp32
+    accuracy), 2 = "tf32", 3 = operands rounded to bf16, 4 = "bf16x3" (three
+    bf16 products of a two-term split, about 1e-5 relative), 5 = "bf16x6"
+    (six products of a three-term split, about fp32 accuracy)."""
     if DOT == 1:
         return tl.dot(a, b, input_precision="tf32x3")
     elif DOT == 2:
         return tl.dot(a, b, input_precision="tf32")
     elif DOT == 3:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT == 4:
+        return tl.dot(a, b, input_precision="bf16x3")
+    elif DOT == 5:
+        return tl.dot(a, b, input_precision="bf16x6")
     else:
         return tl.dot(a, b, input_precision="ieee")
 
@@ -88,55 +80,82 @@ def _row_of(b_x, o_t, j):
 @triton.jit
 def _inv_norm(x, rows, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
               BT: tl.constexpr):
-    """1 / sqrt(sum(x^2) + 1e-6) per row, over all of K."""
+    """1 / sqrt(sum(x^2) + 1e-6) per row, over all of K (non-finite entries
+    count as 0, as everywhere in the prepare kernel)."""
     b_ss = tl.zeros([BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
-        b_x = _tile(x, rows, m_t, i_h, o_k, o_k < K, H, K)
+        b_x, _ = _tile_checked(x, rows, m_t, i_h, o_k, o_k < K, H, K)
         b_ss += tl.sum(b_x * b_x, axis=1)
     return 1. / tl.sqrt(b_ss + 1e-6)
 
 
 @triton.jit
-def _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k,
-                  HV: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr,
-                  HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                  HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
-    """G [BT, BK]: the chunk-local cumsum of the log-decay; rows past the
-    sequence add 0 (no decay)."""
-    p = g + (rows.to(tl.int64) * HV + i_hv)[:, None] * K + o_k[None, :]
-    m = m_t[:, None] & m_k[None, :]
-    b_g = tl.load(p, mask=m, other=0.).to(tl.float32)
-    b_g = _gate(b_g, A_log, dt_bias, i_hv, o_k, m_k, K, USE_GATE, HAS_A_LOG, HAS_DT_BIAS,
-                HAS_LOWER_BOUND, LOWER_BOUND)
-    return tl.cumsum(tl.where(m, b_g, 0.), axis=0)
+def _tile_checked(x, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
+    """As _tile, with non-finite entries replaced by 0; also returns which
+    rows held one ([BT] int1)."""
+    b_x = _tile(x, rows, m_t, i_h, o_k, m_k, H, K)
+    b_bad = nonfinite(b_x)
+    return tl.where(b_bad, 0., b_x), tl.max(b_bad.to(tl.int32), axis=1) > 0
 
 
 @triton.jit
-def _decay_product(b_a, b_k, b_G, b_A, FAST, o_t, n_rows, BT: tl.constexpr,
-                   DOT: tl.constexpr):
-    """[BT, BT]: a_i . k_j e^(G_i - G_j) on and below the diagonal (garbage
-    above it, masked by the caller), for one K slice (b_A: the row of G at
-    the anchor).
+def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
+                    HV: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr,
+                    HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                    HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
+    """The per-token log-decay [BT, BK] (the gate applied, floored at
+    GATE_FLOOR; 0 on rows past the sequence and where the raw g poisons the
+    recurrence), and which rows held such a g ([BT] int1). b_alog: the head's
+    A_log (float32 scalar, loaded once by the caller; unused without it)."""
+    p = g + (rows.to(tl.int64) * HV + i_hv)[:, None] * K + o_k[None, :]
+    m = m_t[:, None] & m_k[None, :]
+    b_g = tl.load(p, mask=m, other=0.).to(tl.float32)
+    b_bad = bad_log_decay(b_g, USE_GATE)
+    b_g = tl.where(b_bad, 0., b_g)
+    if USE_GATE:
+        if HAS_DT_BIAS:
+            b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_g = b_g + b_dt[None, :]
+        b_g = gate(b_g, b_alog, HAS_A_LOG, HAS_LOWER_BOUND, LOWER_BOUND)
+    b_g = tl.where(m, tl.maximum(b_g, GATE_FLOOR), 0.)
+    return b_g, tl.max(b_bad.to(tl.int32), axis=1) > 0
 
-    FAST (the chunk's gates allow it, see ``_anchor_span_ok``): one matrix
-    product through the anchor A (the middle row's G): the row factor
-    e^(G_i - A) and the column factor e^(A - G_j) each stay within
-    e^(+-ANCHOR_SPAN). Otherwise column by column with pairwise differences
-    G_i - G_j <= 0: exact for any gate, slow."""
-    if FAST:
-        b_kc = b_k * tl.exp(b_A[None, :] - b_G)
-        b_out = _dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
-    else:
-        b_out = tl.zeros([BT, BT], dtype=tl.float32)
-        for j in range(0, n_rows):
-            b_kj = _row_of(b_k, o_t, j)
-            b_Gj = _row_of(b_G, o_t, j)
-            m_i = o_t[:, None] >= j
-            b_ke = tl.where(m_i, tl.exp(tl.where(m_i, b_G - b_Gj[None, :], 0.)), 0.)
-            b_col = tl.sum(b_a * b_ke * b_kj[None, :], axis=1)
-            b_out += tl.where(o_t[None, :] == j, b_col[:, None], 0.)
+
+@triton.jit
+def _pairwise_product(b_a, b_k, b_g, o_t, n_rows, BT: tl.constexpr):
+    """[BT, BT]: a_i . k_j e^(G_i - G_j) on and below the diagonal, for one K
+    slice, column by column; G_i - G_j is summed from the log-decays b_g of
+    rows j + 1 .. i (a partial sum: exact for any gate, however large G)."""
+    b_out = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(0, n_rows):
+        b_kj = _row_of(b_k, o_t, j)
+        m_i = o_t[:, None] >= j
+        b_d = tl.cumsum(tl.where(o_t[:, None] > j, b_g, 0.), axis=0)
+        b_ke = tl.where(m_i, tl.exp(tl.where(m_i, b_d, 0.)), 0.)
+        b_col = tl.sum(b_a * b_ke * b_kj[None, :], axis=1)
+        b_out += tl.where(o_t[None, :] == j, b_col[:, None], 0.)
     return b_out
+
+
+@triton.jit
+def _suffix_exponent(b_g):
+    """G_last - G_i = sum of the log-decays after row i, from the [BT, BK]
+    log-decays: (reverse cumsum) - g, with error relative to |g_i| + the sum
+    (g_i >= GATE_FLOOR), not to |G|."""
+    return tl.cumsum(b_g, axis=0, reverse=True) - b_g
+
+
+@triton.jit
+def _anchored_product(b_a, b_k, b_G, b_A, DOT: tl.constexpr):
+    """[BT, BT]: a_i . k_j e^(G_i - G_j) (garbage above the diagonal, masked
+    by the caller), for one K slice, as one matrix product through the anchor
+    A (b_A: the middle row's G): the row factor e^(G_i - A) and the column
+    factor e^(A - G_j) each stay within e^(+-ANCHOR_SPAN) when the chunk's
+    gates allow it (see the fast test of the prepare kernel); otherwise
+    _pairwise_product."""
+    b_kc = b_k * tl.exp(b_A[None, :] - b_G)
+    return _dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
 
 
 @triton.jit
@@ -218,7 +237,7 @@ def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
 
 @triton.jit
 def kda_fwd_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, meta, off_cu, off_ct,
+    q, k, v, g, beta, A_log, dt_bias, meta, off_cu, off_ct, n_bounds, n_tokens,
     w, u, qg, kt, aqk, gl, x, gc,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
@@ -233,14 +252,17 @@ def kda_fwd_prepare_kernel(
     gc [T, HV, K] fp32 is scratch: the chunk-local cumsum G, written in pass 0
     and read back after a barrier, so that its anchor and last rows are loads
     (taking a row out of a register tile is a reduction across the program)
-    and passes 1 and 2 read G instead of recomputing it."""
+    and passes 1 and 2 read G instead of recomputing it.
+
+    Non-finite inputs: every load replaces the entries that would poison the
+    recurrence by 0 (kernels/gate.py), and records the rows that held one.
+    At the end, if any row of the chunk did, Aqk is NaN from the first such
+    row of k, v, g or beta on (and on rows whose q held one), and so is gl:
+    the state kernel's outputs from that row on and its state after the chunk
+    are NaN, while earlier rows equal those of the inputs with zeros there."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(meta + off_ct + 2 * i_c)
-    i_j = tl.load(meta + off_ct + 2 * i_c + 1)
-    bos = tl.load(meta + off_cu + i_n)
-    eos = tl.load(meta + off_cu + i_n + 1)
-    t0 = bos + i_j * BT
+    t0, eos = chunk_span(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
     rows = t0 + o_t
@@ -251,7 +273,11 @@ def kda_fwd_prepare_kernel(
     # beta, transformed; rows past the sequence get 0 (no update).
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     if BETA_SIGMOID:
-        b_b = tl.sigmoid(b_b)
+        b_poison = b_b != b_b
+        b_b = sigmoid(tl.where(b_poison, 0., b_b))
+    else:
+        b_poison = nonfinite(b_b)
+        b_b = tl.where(b_poison, 0., b_b)
     b_b = tl.where(m_t, b_b * BETA_SCALE, 0.)
 
     # Row scales of the in-kernel L2 norm (over all of K, before any slice).
@@ -261,6 +287,10 @@ def kda_fwd_prepare_kernel(
         b_sq = _inv_norm(q, rows, m_t, i_h, H, K, BK, BT)
         b_sk = _inv_norm(k, rows, m_t, i_h, H, K, BK, BT)
 
+    b_alog = 0.
+    if USE_GATE and (HAS_A_LOG or not HAS_LOWER_BOUND):
+        b_alog = tl.load(A_log + i_hv).to(tl.float32)
+
     # Pass 0: G, the chunk-local cumsum of the log-decay, into the scratch
     # gc; then, from its anchor and last rows, exp(G_last) and one test for
     # the whole chunk of whether the anchored products are safe (a reduction
@@ -269,8 +299,11 @@ def kda_fwd_prepare_kernel(
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
-        b_G = _chunk_cumsum(g, A_log, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K, USE_GATE,
-                            HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND)
+        b_g, b_bad = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+                                     USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
+                                     LOWER_BOUND)
+        b_poison = b_poison | b_bad
+        b_G = tl.cumsum(b_g, axis=0)
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         tl.store(gc + p_tk, b_G, mask=m_t[:, None] & m_k[None, :])
     tl.debug_barrier()  # G's rows, stored by every thread, read by all
@@ -285,8 +318,11 @@ def kda_fwd_prepare_kernel(
 
     # Pass 1 over K slices: Aqk, q*exp(G)*scale and k*exp(G_last - G).
     # Aqk and Akk get a pass each, so only one [BT, BT] accumulator is live
-    # at a time (registers, not loads, bound this kernel).
+    # at a time (registers, not loads, bound this kernel). Without the fast
+    # path, exponents that are differences of G come from partial sums of
+    # the log-decays instead (reloaded: the slow path only).
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_qbad = o_t < 0
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
@@ -294,12 +330,23 @@ def kda_fwd_prepare_kernel(
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
         b_G = _g_tile(gc, p_tk, m_t, m_k, b_last)
-        b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
-        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        b_aqk += _decay_product(b_q, b_k, b_G, b_A, fast, o_t, n_rows, BT, DOT_A)
+        b_q, b_bad = _tile_checked(q, rows, m_t, i_h, o_k, m_k, H, K)
+        b_qbad = b_qbad | b_bad
+        b_q = b_q * b_sq[:, None]
+        b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
+        b_poison = b_poison | b_bad
+        b_k = b_k * b_sk[:, None]
+        if fast:
+            b_aqk += _anchored_product(b_q, b_k, b_G, b_A, DOT_A)
+            b_sfx = b_last[None, :] - b_G
+        else:
+            b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+                                     USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
+                                     LOWER_BOUND)
+            b_aqk += _pairwise_product(b_q, b_k, b_g, o_t, n_rows, BT)
+            b_sfx = _suffix_exponent(b_g)
         tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
-        tl.store(kt + p_tk, (b_k * tl.exp(b_last[None, :] - b_G)).to(kt.dtype.element_ty),
-                 mask=m_tk)
+        tl.store(kt + p_tk, (b_k * tl.exp(b_sfx)).to(kt.dtype.element_ty), mask=m_tk)
     # Aqk, scaled, zero above the diagonal.
     b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk * SCALE, 0.)
     tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
@@ -315,8 +362,15 @@ def kda_fwd_prepare_kernel(
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
         b_G = _g_tile(gc, p_tk, m_t, m_k, b_last)
-        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        b_akk += _decay_product(b_k, b_k, b_G, b_A, fast, o_t, n_rows, BT, DOT_A)
+        b_k, _ = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
+        b_k = b_k * b_sk[:, None]
+        if fast:
+            b_akk += _anchored_product(b_k, b_k, b_G, b_A, DOT_A)
+        else:
+            b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+                                     USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
+                                     LOWER_BOUND)
+            b_akk += _pairwise_product(b_k, b_k, b_g, o_t, n_rows, BT)
         tl.store(w + p_tk, (b_k * b_b[:, None] * tl.exp(b_G)).to(w.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
@@ -343,14 +397,33 @@ def kda_fwd_prepare_kernel(
         o_v = vs + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_vb = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_b[:, None]
+        b_vb = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        b_bad = nonfinite(b_vb)
+        b_poison = b_poison | (tl.max(b_bad.to(tl.int32), axis=1) > 0)
+        b_vb = tl.where(b_bad, 0., b_vb) * b_b[:, None]
         tl.store(u + p_tv, _dot(b_x, b_vb, DOT_WU).to(u.dtype.element_ty), mask=m_tv)
+
+    # Poison (rare: one test per chunk): NaN over Aqk's rows from the first
+    # poisoning row on, and rows whose q was non-finite (o = qg h + Aqk v_new
+    # row by row); NaN over gl (the state after the chunk).
+    b_first = tl.min(tl.where(b_poison & m_t, o_t, BT), axis=0)
+    b_nan_rows = ((o_t >= b_first) | b_qbad) & m_t
+    if tl.max(b_nan_rows.to(tl.int32), axis=0) > 0:
+        tl.debug_barrier()  # after every store of passes 0 and 1
+        tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
+                 tl.full([BT, BT], float("nan"), tl.float32).to(aqk.dtype.element_ty),
+                 mask=b_nan_rows[:, None])
+        if b_first < BT:
+            o_k = tl.arange(0, BK)
+            for ks in range(0, K, BK):
+                tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ks + o_k,
+                         tl.full([BK], float("nan"), tl.float32), mask=ks + o_k < K)
 
 
 @triton.jit
 def kda_fwd_state_output_kernel(
     w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, n_seqs, n_tokens,
-    slots,
+    n_chunk_rows, slots,
     o, ht,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
@@ -373,14 +446,14 @@ def kda_fwd_state_output_kernel(
     real end, which belong to no sequence.
     """
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(meta + off_cu + i_n)
+    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     m_v = o_v < V
     if i_n < n_seqs:
         _state_output_sequence(
-            w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, slots, o, ht,
-            i_n, i_hv, bos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
+            w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_co, n_chunk_rows, slots,
+            o, ht, i_n, i_hv, bos, eos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
             STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, DOT, SPLIT_K)
     else:
         b_zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
@@ -392,17 +465,15 @@ def kda_fwd_state_output_kernel(
 
 @triton.jit
 def _state_output_sequence(
-    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, slots, o, ht,
-    i_n, i_hv, bos, o_v, o_t, m_v,
+    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_co, n_chunk_rows, slots, o, ht,
+    i_n, i_hv, bos, eos, o_v, o_t, m_v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     INDEXED_STATE: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """The state pass and output of sequence i_n (kda_fwd_state_output_kernel's body)."""
-    eos = tl.load(meta + off_cu + i_n + 1)
-    c0 = tl.load(meta + off_co + i_n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
 
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     b_h = load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV,

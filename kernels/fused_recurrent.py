@@ -15,7 +15,8 @@ rounding.
 Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV]; o [T, HV, V];
   states [rows, HV, K, V] ([rows, HV, V, K] with STATE_V_FIRST), float32.
-Varlen comes from one int32 metadata buffer with cu_seqlens at ``off_cu``;
+Varlen comes from one int32 metadata buffer with cu_seqlens at ``off_cu``
+(bounds clamped to [0, n_tokens] by kernels.varlen, whatever the buffer holds);
 with UNIFORM (host bounds whose sequences all have SEQ_LEN tokens, e.g. a decode
 step of one token each) sequence n spans [n * SEQ_LEN, (n + 1) * SEQ_LEN) and no
 bound is loaded: the loads of a program's tokens then wait on nothing.
@@ -30,39 +31,23 @@ ht[write_idx[n]]; an index outside [0, slots) reads zeros / writes nothing.
 The pool is passed as h0 and aliased to ht, so rows no sequence names keep
 their contents.
 
-Every exponent is <= 0: the decay exp(g) (g <= 0), and the sigmoid and
-softplus of the in-kernel transforms, which are written on -|x|.
+Every exponent is <= 0: the decay exp(g) (g <= 0, -inf included), and the
+in-kernel gate and sigmoid of kernels/gate.py, which never overflow.
 """
 
 import triton
 import triton.language as tl
 
+from .gate import gate, sigmoid
 from .state_io import load_state, state_offsets, store_state_row
+from .varlen import seq_span
 
 
 @triton.jit
-def _sigmoid(x):
-    """1 / (1 + e^-x), through e^-|x| for either sign of x."""
-    e = tl.exp(-tl.abs(x))
-    return tl.where(x >= 0, 1. / (1. + e), e / (1. + e))
-
-
-@triton.jit
-def _softplus(x):
-    """log(1 + e^x) as max(x, 0) + log(1 + e^-|x|); x itself above 20."""
-    return tl.where(x > 20., x, tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
-
-
-@triton.jit
-def _in_kernel_gate(b_g, b_dt, b_a, m, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
-    """The log-decay from raw gate values: lower_bound * sigmoid(a (g + dt_bias))
-    or -a softplus(g + dt_bias) (a = exp(A_log)); 0 where ``m`` is False."""
-    b_x = b_g + b_dt
-    if HAS_LOWER_BOUND:
-        b_g = LOWER_BOUND * _sigmoid(b_a * b_x)
-    else:
-        b_g = -b_a * _softplus(b_x)
-    return tl.where(m, b_g, 0.)
+def _in_kernel_gate(b_g, b_dt, b_alog, m, HAS_A_LOG: tl.constexpr,
+                    HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
+    """The log-decay from raw gate values (kernels/gate.py); 0 where ``m`` is False."""
+    return tl.where(m, gate(b_g + b_dt, b_alog, HAS_A_LOG, HAS_LOWER_BOUND, LOWER_BOUND), 0.)
 
 
 @triton.jit
@@ -93,14 +78,15 @@ def kda_fused_recurrent_kernel(
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if UNIFORM:
         bos = i_n * SEQ_LEN
+        eos = bos + SEQ_LEN
     else:
-        bos = tl.load(meta + off_cu + i_n)
+        bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     if i_n < n_seqs:
         _recurrent_sequence(
-            q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
-            o, ht, i_n, i_hv, bos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM,
+            q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, slots,
+            o, ht, i_n, i_hv, bos, eos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM,
             USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID,
             BETA_SCALE, USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE,
             UNIFORM, SEQ_LEN, LOOP_STAGES)
@@ -116,8 +102,8 @@ def kda_fused_recurrent_kernel(
 
 @triton.jit
 def _recurrent_sequence(
-    q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, meta, off_cu, slots,
-    o, ht, i_n, i_hv, bos, o_v, m_v,
+    q, k, v, g, beta, A_log, dt_bias, h0, read_idx, write_idx, slots,
+    o, ht, i_n, i_hv, bos, eos, o_v, m_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
@@ -129,11 +115,6 @@ def _recurrent_sequence(
 ):
     """Sequence i_n's tokens in order (kda_fused_recurrent_kernel's body)."""
     i_h = i_hv // (HV // H)
-    if UNIFORM:
-        eos = bos + SEQ_LEN
-    else:
-        eos = tl.load(meta + off_cu + i_n + 1)
-
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     # A pool's write row is loaded now, beside the read row, not after the
     # tokens: the final store then does not wait on a load of its own.
@@ -144,11 +125,11 @@ def _recurrent_sequence(
                      USE_INITIAL_STATE, INDEXED_STATE)
 
     # Per-head gate parameters, loaded once.
-    b_a = 1.
+    b_alog = 0.
     b_dt = tl.zeros([BK], dtype=tl.float32)
     if USE_GATE:
-        if HAS_A_LOG:
-            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_A_LOG or not HAS_LOWER_BOUND:
+            b_alog = tl.load(A_log + i_hv).to(tl.float32)
         if HAS_DT_BIAS:
             b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
 
@@ -176,9 +157,10 @@ def _recurrent_sequence(
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
         if USE_GATE:
-            b_g = _in_kernel_gate(b_g, b_dt, b_a, m_k, HAS_LOWER_BOUND, LOWER_BOUND)
+            b_g = _in_kernel_gate(b_g, b_dt, b_alog, m_k, HAS_A_LOG, HAS_LOWER_BOUND,
+                                  LOWER_BOUND)
         if BETA_SIGMOID:
-            b_beta = _sigmoid(b_beta)
+            b_beta = sigmoid(b_beta)
         b_beta = b_beta * BETA_SCALE
 
         if UNIFORM:

@@ -3,8 +3,9 @@
 a time limit keeps what it measured)."""
 
 import argparse
-import io
 import json
+
+import numpy as np
 
 from bench import sweep
 
@@ -30,7 +31,7 @@ def test_fla_rows_arrive_one_by_one_and_a_cut_run_keeps_them(tmp_path, monkeypat
     assert by[(1, "kda_jax-triton")]["ratio_to_fla"] == 0.75
     assert by[(2, "kda_jax-triton")]["ms"] == 1.5 and by[(2, "kda_jax-triton")]["ratio_to_fla"] is None
     assert by[(2, "fla")]["ms"] is None
-    assert records[0]["fla"] == "0.0-test"
+    assert records[0]["versions"]["fla"] == "0.0-test"
     assert records[0]["command"] == "python -m bench.forward --shapes 1,64,2;2,32,2"
     assert "0.750" in capsys.readouterr().out
 
@@ -66,27 +67,45 @@ def test_a_failing_implementation_is_a_record(tmp_path, monkeypatch, capsys):
 
 
 def test_fla_stream_reads_the_child_line_by_line(monkeypatch, capsys):
-    class Child:
-        def __init__(self, argv, **kw):
-            assert argv[1:3] == ["-m", "bench.fla_peer"] and argv[-1] == "backward"
-            # stderr must not be a pipe nobody reads: a chatty child would stall.
-            assert kw["stderr"] is sweep.subprocess.STDOUT
-            # jax-triton empties TRITON_CACHE_DIR at import; torch's Triton needs a real one.
-            assert "TRITON_CACHE_DIR" not in kw["env"] and kw["env"]["KEEP"] == "1"
-            self.stdout = io.StringIO(self.text)
+    class Peer:
+        def __init__(self):
+            self.versions = {"torch": "t", "fla": "f"}
 
-        def wait(self):
-            return self.rc
+        def run(self, job):
+            assert job["job"] == "sweep" and job["mode"] == "backward"
+            assert job["rows"] == [[1, 64, 2, 16, 16, None], [1, 64, 2, 16, 16, [0, 1, 64]]]
+            yield from self.messages
 
-    Child.text, Child.rc = ('{"row": 0, "ms": 1.25}\nnoise\n{"row": 1, "ms": 3.5}\n'
-                            '{"torch": "t", "fla": "f"}\n'), 0
-    monkeypatch.setattr(sweep.subprocess, "Popen", Child)
-    monkeypatch.setenv("TRITON_CACHE_DIR", "")
-    monkeypatch.setenv("KEEP", "1")
-    got = list(sweep.fla_stream([(1, 64, 2, None), (1, 64, 2, None)], 16, 16, "backward"))
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    Peer.messages = [{"row": {"index": 0, "ms": 1.25}}, {"row": {"index": 1, "ms": 3.5}}]
+    monkeypatch.setattr(sweep, "FlaPeer", Peer)
+    rows = [(1, 64, 2, None), (1, 64, 2, np.array([0, 1, 64]))]
+    got = list(sweep.fla_stream(rows, 16, 16, "backward"))
     assert got == [(0, 1.25), (1, 3.5), (None, {"torch": "t", "fla": "f"})]
 
-    Child.text, Child.rc = '{"row": 0, "ms": 2.0}\nTraceback\nOutOfMemoryError: CUDA\n', 1
-    got = list(sweep.fla_stream([(1, 64, 2, None)] * 2, 16, 16, "backward"))
-    assert got == [(0, 2.0)]
+    def dies(self, job):
+        yield {"row": {"index": 0, "ms": 2.0}}
+        raise sweep.FlaUnavailable("the fla child died: OutOfMemoryError: CUDA")
+
+    monkeypatch.setattr(Peer, "run", dies)
+    assert list(sweep.fla_stream(rows, 16, 16, "backward")) == [(0, 2.0)]
     assert "OutOfMemoryError: CUDA" in capsys.readouterr().err
+
+
+def test_rows_carry_the_run_metadata(tmp_path, monkeypatch):
+    def fla_rows(rows, kd, vd, mode):
+        yield from ((i, 2.0) for i in range(len(rows)))
+        yield None, {"torch": "t-child", "fla": "f-child"}
+
+    monkeypatch.setattr(sweep, "fla_stream", fla_rows)
+    sweep.run(_args(tmp_path), ["--shapes", "1,64,2;2,32,2"], module="bench.forward",
+              runner=lambda impl, arrays, cu: (lambda: 1.0), mode="forward")
+    records = json.loads((tmp_path / "sweep.json").read_text())
+    for r in records:
+        assert r["versions"]["torch"] == "t-child" and r["versions"]["fla"] == "f-child"
+        assert r["date"] and "commit" in r and "dirty" in r and "gpu" in r["machine"]

@@ -52,7 +52,7 @@ def test_unknown_arch_is_named():
     (dict(prepare_dot="fp16"), "prepare_dot='fp16' must be one of"),
     (dict(fp32_dot="tf64"), "fp32_dot='tf64' must be one of"),
     (dict(inverse_dot="tf16"), "inverse_dot='tf16' must be one of"),
-    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3' or 'tf32'"),
+    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3', 'tf32', 'bf16x3' or 'bf16x6'"),
     (dict(state_warps_fp32=3), "state_warps_fp32=3 must be one of"),
 ])
 def test_forward_config_refuses_bad_values(kwargs, message):
@@ -62,8 +62,8 @@ def test_forward_config_refuses_bad_values(kwargs, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(wy_dot="tf64"), "wy_dot='tf64' must be one of"),
-    (dict(wy_fp32_dot="tf32"), "wy_fp32_dot='tf32' must be 'ieee' or 'tf32x3'"),
-    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3' or 'tf32'"),
+    (dict(wy_fp32_dot="tf32"), "wy_fp32_dot='tf32' must be 'ieee', 'tf32x3' or 'bf16x6'"),
+    (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3', 'tf32', 'bf16x3' or 'bf16x6'"),
     (dict(prepare_fp32_block_k=24), "prepare_fp32_block_k=24 must be a power of two"),
     (dict(inter_block_v_fp32=8), "inter_block_v_fp32=8 must be a power of two"),
     (dict(state_stages_fp32=0), "state_stages_fp32=0 must be one of"),
@@ -161,3 +161,25 @@ def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, war
     prepare = recompute_launch(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
                                work=jnp.dtype(work))
     assert prepare.constexprs["BK"] == (32 if split else 64)
+
+
+def test_split_bf16_modes_are_valid_and_run_as_ieee_in_the_interpreter(monkeypatch):
+    """bf16x3 / bf16x6 are accepted where their accuracy fits (not for the
+    float32-grade fields but bf16x6), and Triton's interpreter, which knows
+    only ieee/tf32/tf32x3, gets "ieee" for them."""
+    import dataclasses
+
+    from kda_jax.triton.launch import dot_code
+
+    base = configs.BackwardConfig()
+    for mode in ("bf16x3", "bf16x6"):
+        cfg = dataclasses.replace(base, product_dot=mode, wy_dot=mode, inverse_dot=mode)
+        assert cfg.product_dot == mode
+    dataclasses.replace(base, wy_fp32_dot="bf16x6")
+    with pytest.raises(ValueError, match="float32-grade"):
+        dataclasses.replace(base, wy_fp32_dot="bf16x3")
+    monkeypatch.setenv("KDA_JAX_INTERPRET", "1")
+    assert dot_code("bf16x3") == dot_code("bf16x6") == configs.DOT_MODES.index("ieee")
+    assert dot_code("tf32") == configs.DOT_MODES.index("tf32")
+    monkeypatch.setenv("KDA_JAX_INTERPRET", "0")
+    assert dot_code("bf16x3") == configs.DOT_MODES.index("bf16x3")

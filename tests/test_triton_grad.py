@@ -306,3 +306,58 @@ def test_grad_inside_jit_makes_no_device_to_host_transfer():
     jax.block_until_ready(step(*args))
     with jax.transfer_guard_device_to_host("disallow"):
         jax.block_until_ready(step(*args))
+
+
+# The in-kernel gate's parameters at fla's KDA test grid: uniform q, k, v in
+# [0, 1) (l2-normalized outside or in the kernel), raw gate logits divided by a
+# normalizer, sigmoid beta, scale 0.1, random cotangents for o and the final
+# state. (B, T, H, K, input dtype, normalizer, in-kernel l2norm).
+GATE_PARAM_GRID = [
+    (2, 1500, 4, 128, "float16", 1.0, False),
+    (4, 2048, 8, 64, "float16", 1.0, False),
+    (2, 1500, 4, 128, "float16", 10.0, True),
+    (1, 2048, 8, 128, "bfloat16", 1.0, True),
+    (2, 1024, 4, 100, "bfloat16", 10.0, False),
+] if ON_GPU else [(1, 70, 1, 16, "float32", 1.0, False), (1, 40, 2, 32, "float32", 10.0, True)]
+GATE_PARAM_TOL = 1e-3
+
+
+def _gate_param_inputs(seed, B, T, H, K, dtype, normalizer, l2norm):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.random((B, T, H, K), dtype=np.float32) for _ in range(3))
+    if not l2norm:
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = rng.standard_normal((B, T, H, K), dtype=np.float32) / normalizer
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H), dtype=np.float32)))
+    cast = lambda x: jnp.asarray(x).astype(dtype)
+    arrays = dict(q=cast(q), k=cast(k), v=cast(v), g=jnp.asarray(g), beta=cast(beta),
+                  initial_state=jnp.asarray(rng.standard_normal((B, H, K, K), dtype=np.float32)),
+                  A_log=jnp.asarray(rng.standard_normal(H, dtype=np.float32)),
+                  dt_bias=jnp.asarray(rng.standard_normal(H * K, dtype=np.float32)))
+    w_o = rng.standard_normal((B, T, H, K), dtype=np.float32)
+    w_f = rng.standard_normal((B, H, K, K), dtype=np.float32)
+    return arrays, w_o, w_f
+
+
+@pytest.mark.parametrize("case", GATE_PARAM_GRID, ids=lambda c: "B{}-T{}-H{}-K{}-{}-n{}-l2{}".format(*c))
+def test_gate_parameter_grads_at_fla_grid(case, check_rel_rms):
+    """dA_log and ddt_bias within 1e-3 relative RMS of autodiff of the float32
+    reference (fla's bar for its own kernels), 16-bit inputs, the shipped
+    backward config; every other gradient within the 16-bit bars."""
+    B, T, H, K, dtype, normalizer, l2norm = case
+    arrays, w_o, w_f = _gate_param_inputs(3, B, T, H, K, jnp.dtype(dtype), normalizer, l2norm)
+    call_kw = dict(scale=0.1, use_gate_in_kernel=True, A_log=True, dt_bias=True,
+                   use_qk_l2norm_in_kernel=l2norm)
+    wrt = GATE
+    ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items()}
+    ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f)))(
+        {n: ref_arrays[n] for n in wrt})
+    fast = functools.partial(kda_jax.chunk_kda, implementation="triton")
+    got = jax.jit(jax.grad(_loss(fast, arrays, call_kw, w_o, w_f)))({n: arrays[n] for n in wrt})
+    sixteen = dtype != "float32"
+    tol = dict(TOL_BF16 if sixteen else dict.fromkeys(ALL, TOL),
+               A_log=GATE_PARAM_TOL, dt_bias=GATE_PARAM_TOL)
+    failures = _check_all(ref, got, {n: arrays[n] for n in wrt}, wrt, tol, check_rel_rms,
+                          kind="grad gate params")
+    assert not failures, "; ".join(failures)

@@ -5,8 +5,11 @@ transforms in-kernel); its residuals are the raw inputs only (q, k, v, g,
 beta, initial_state, A_log, dt_bias): every intermediate is recomputed. The
 backward
 
-1. recomputes the transformed inputs in JAX under ``jax.vjp`` (L2 norm, gate,
-   beta sigmoid / negative eigenvalues: elementwise and cheap),
+1. recomputes the transformed inputs in JAX under ``jax.vjp`` (non-finite
+   entries zeroed, L2 norm, gate, log-decay floor, beta sigmoid / negative
+   eigenvalues: elementwise and cheap) and zeroes the cotangents of what the
+   forward made NaN (rows from a non-finite input on, and those sequences'
+   final states): the kernels then see the clean computation only,
 2. runs, on them (transforms off), the forward's prepare kernel storing
    X = (I + L)^-1 too, then the five kernels of ``kda_jax.kernels.chunk_bwd``:
    state pass, reverse state pass, then per chunk the state terms, the terms
@@ -25,15 +28,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kda_jax import configs, transforms
 from kda_jax.bounds import SeqBounds, chunk_table, packed_metadata
-from kda_jax.configs import DOT_MODES, BackwardConfig, ForwardConfig
+from kda_jax.configs import BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward import (KernelLaunch, chunk_kda_triton, forward_launches,
                                     split_state_k, work_dtype)
 from kda_jax.triton.forward_only import unbatchable
-from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
+from kda_jax.triton.launch import dot_code, interpret_mode, kernels, launch, stand_in
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
 
@@ -83,11 +87,11 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     split = split_state_k(work, kd)
     split_rev = split and config.dstate_split_k
     block = lambda n, cap: min(_pow2(max(n, 16)), cap)
-    dot_a = DOT_MODES.index(config.product_dot)
+    dot_a = dot_code(config.product_dot)
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
     # take fp32_dot.
-    dot_state = 0 if sixteen_bit else DOT_MODES.index(config.fp32_dot)
+    dot_state = 0 if sixteen_bit else dot_code(config.fp32_dot)
     common = dict(HV=hv, K=kd, V=vd, BT=bt)
     launches = [
         KernelLaunch("kda_bwd_state_kernel", dict(
@@ -106,7 +110,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             config.inter_warps, 1),
         KernelLaunch("kda_bwd_wy_kernel", dict(
             H=h, **common, BK=block(kd, config.wy_block_k), BV=block(vd, config.wy_block_v),
-            SCALE=float(opts.scale), DOT_X=DOT_MODES.index(
+            SCALE=float(opts.scale), DOT_X=dot_code(
                 config.wy_dot if sixteen_bit else config.wy_fp32_dot)),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(
@@ -168,7 +172,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     prep = recompute_launch(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work)
     w, u, qg, kt, aqk, gl, x, gc = launch(
         getattr(kernels("chunk_fwd"), prep.kernel),
-        q, k, v, g, beta, dummy, dummy, meta_dev, off_cu, off_ct,
+        q, k, v, g, beta, dummy, dummy, meta_dev, off_cu, off_ct, n, tokens,
         grid=(n_chunks, hv, 1),
         out_shape=[sds(tk_shape, work), sds(tv_shape, work), sds(tk_shape, work),
                    sds(tk_shape, work), sds((tokens, hv, bt), work),
@@ -180,26 +184,28 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     n_v = -(-vd // L["kda_bwd_state_kernel"].constexprs["BV"])
     h0 = dummy if initial_state is None else initial_state.astype(f32)
     hs, vn = run(
-        "kda_bwd_state_kernel", w, u, kt, gl, h0, meta_dev, off_cu, off_co,
+        "kda_bwd_state_kernel", w, u, kt, gl, h0, meta_dev, off_cu, off_co, tokens, n_chunks,
         grid=(n, hv, n_v),
         out_shape=[sds((n_chunks, hv, kd, vd), f32), sds(tv_shape, work)])
 
     dht_in = dummy if dht is None else dht.astype(f32)
     dhs, dvn, dh0 = run(
         "kda_bwd_dstate_kernel", qg, kt, w, aqk, gl, do, dht_in, meta_dev, off_cu, off_co,
+        tokens, n_chunks,
         grid=(n, hv, n_v),
         out_shape=[sds((n_chunks, hv, kd, vd), f32), sds(tv_shape, work),
                    sds(state_shape if initial_state is not None else (4,), f32)])
 
     n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
     dq_p, dk_p, dg_p, dw = run(
-        "kda_bwd_inter_kernel", q, k, gc, hs, dhs, vn, dvn, do, meta_dev, off_cu, off_ct,
+        "kda_bwd_inter_kernel", q, k, gc, g, hs, dhs, vn, dvn, do, meta_dev, off_cu, off_ct,
+        n, tokens,
         grid=(n_chunks, hv, n_k), out_shape=[sds(tk_shape, f32)] * 4)
 
     tt_shape = (tokens, hv, bt)
     dv, dk_w, dg_w, dl, daqk, dbeta = run(
         "kda_bwd_wy_kernel", k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw,
-        meta_dev, off_cu, off_ct,
+        meta_dev, off_cu, off_ct, n, tokens,
         grid=(n_chunks, hv, 1),
         out_shape=[sds(tv_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
                    sds(tt_shape, f32), sds(tt_shape, f32), sds((tokens, hv), f32)])
@@ -207,8 +213,8 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     intra = L["kda_bwd_intra_kernel"].constexprs
     n_k = 1 if intra["LOOP_K"] else -(-kd // intra["BK"])
     dq, dk, dg, dbeta_k = run(
-        "kda_bwd_intra_kernel", q, k, gc, beta, dl, daqk, dq_p, dk_w, dg_w,
-        meta_dev, off_cu, off_ct,
+        "kda_bwd_intra_kernel", q, k, gc, g, beta, dl, daqk, dq_p, dk_w, dg_w,
+        meta_dev, off_cu, off_ct, n, tokens,
         grid=(n_chunks, hv, n_k),
         out_shape=[sds(tk_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
                    sds((tokens, hv, n_k), f32)])
@@ -217,20 +223,40 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
 
 
 def _transform(opts: KdaOptions):
-    """The enabled input transforms as one function of (q, k, g, beta, A_log,
-    dt_bias); inputs without a transform pass through in their own dtype."""
+    """The input handling of the forward kernels as one function of the raw
+    (q, k, v, g, beta, A_log, dt_bias): non-finite entries zeroed
+    (:func:`kda_jax.transforms.sanitize`), the enabled transforms, and the
+    log-decay floor. Returns (q, k, v, g, beta, poison, q_bad); inputs without
+    a transform keep their dtype."""
 
-    def fn(q, k, g, beta, A_log, dt_bias):
+    def fn(q, k, v, g, beta, A_log, dt_bias):
+        q, k, v, g, beta, poison, q_bad = transforms.sanitize(
+            q, k, v, g, beta, use_gate_in_kernel=opts.use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel)
         if opts.use_qk_l2norm_in_kernel:
             q, k = transforms.l2norm(q), transforms.l2norm(k)
         if opts.use_gate_in_kernel:
-            g = transforms.gate(g, A_log, dt_bias, opts.lower_bound)
+            g = transforms.log_decay(transforms.gate(g, A_log, dt_bias, opts.lower_bound))
+        else:
+            g = transforms.log_decay(g).astype(g.dtype)
         if opts.use_beta_sigmoid_in_kernel or opts.allow_neg_eigval:
             beta = transforms.beta_transform(beta, opts.use_beta_sigmoid_in_kernel,
                                              opts.allow_neg_eigval)
-        return q, k, g, beta
+        return q, k, v, g, beta, poison, q_bad
 
     return fn
+
+
+def _poisoned(poison, q_bad, bounds: SeqBounds):
+    """What the forward made NaN, from the per-token flags ``[T, HV]``: the
+    rows (``[T, HV]``: from a poisoning token to its sequence's end, and
+    rows whose q was non-finite) and the final states (``[N, HV]``)."""
+    cu = np.asarray(bounds.cu_seqlens, dtype=np.int64)
+    start = np.repeat(cu[:-1], np.diff(cu))  # each token's sequence start
+    seen = jnp.concatenate([jnp.zeros((1, poison.shape[1]), jnp.int32),
+                            jnp.cumsum(poison.astype(jnp.int32), axis=0)])
+    rows = (seen[1:] - seen[start] > 0) | q_bad
+    return rows, seen[cu[1:]] - seen[cu[:-1]] > 0
 
 
 def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config):
@@ -261,16 +287,24 @@ def _bwd(opts, bounds, config, bwd_config, residuals, cotangents):
     tokens = b * t
     flat = lambda x: x.reshape((tokens,) + x.shape[2:])
 
-    (tq, tk, tg, tb), transform_vjp = jax.vjp(_transform(opts), flat(q), flat(k), flat(g),
-                                              flat(beta), A_log, dt_bias)
+    (tq, tk, tv, tg, tb, poison, q_bad), transform_vjp = _vjp_with_flags(
+        opts, flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias)
+    # The forward's NaN outputs and states are constants: no cotangent
+    # reaches the clean computation through them.
+    rows, finals = _poisoned(poison, q_bad, bounds)
+    do = jnp.where(rows[..., None], jnp.zeros((), do.dtype), flat(do))
+    if dht is not None:
+        state_axes = (slice(None), slice(None), None, None)
+        dht = jnp.where(finals[state_axes], jnp.zeros((), dht.dtype), dht)
     dq, dk, dv, dg, dbeta, dh0 = core_backward(
-        tq, tk, flat(v), tg, tb, initial_state, flat(do), dht, opts=opts, bounds=bounds,
+        tq, tk, tv, tg, tb, initial_state, do, dht, opts=opts, bounds=bounds,
         config=bwd_config)
     # A value head's q/k gradient belongs to its group's q/k head.
     group = lambda x: x.reshape(tokens, h, hv // h, kd).sum(axis=2)
     dq, dk = group(dq), group(dk)
-    dq, dk, dg, dbeta, dA_log, ddt_bias = transform_vjp(
-        (dq.astype(tq.dtype), dk.astype(tk.dtype), dg.astype(tg.dtype), dbeta.astype(tb.dtype)))
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias = transform_vjp(
+        (dq.astype(tq.dtype), dk.astype(tk.dtype), dv.astype(tv.dtype), dg.astype(tg.dtype),
+         dbeta.astype(tb.dtype)))
     unflat = lambda x, like: x.reshape(like.shape).astype(like.dtype)
     grads = (unflat(dq, q), unflat(dk, k), unflat(dv, v), unflat(dg, g), unflat(dbeta, beta),
              None if initial_state is None else dh0.astype(initial_state.dtype),
@@ -280,6 +314,19 @@ def _bwd(opts, bounds, config, bwd_config, residuals, cotangents):
 
 
 _chunk_kda.defvjp(_fwd, _bwd)
+
+
+def _vjp_with_flags(opts, q, k, v, g, beta, A_log, dt_bias):
+    """jax.vjp of :func:`_transform`, the boolean flags as auxiliary outputs."""
+    fn = _transform(opts)
+
+    def split(*args):
+        *values, poison, q_bad = fn(*args)
+        return tuple(values), (poison, q_bad)
+
+    values, vjp, (poison, q_bad) = jax.vjp(split, q, k, v, g, beta, A_log, dt_bias,
+                                           has_aux=True)
+    return (*values, poison, q_bad), vjp
 
 
 def chunk_kda_triton_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, *,

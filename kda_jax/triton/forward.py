@@ -18,10 +18,10 @@ import jax.numpy as jnp
 
 from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
-from kda_jax.configs import DOT_MODES, ForwardConfig
+from kda_jax.configs import ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
-from kda_jax.triton.launch import interpret_mode, kernels, launch, stand_in
+from kda_jax.triton.launch import dot_code, interpret_mode, kernels, launch, stand_in
 from kda_jax.triton.state_args import kernel_states
 
 __all__ = ["KernelLaunch", "chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches",
@@ -99,9 +99,9 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             LOWER_BOUND=float(opts.lower_bound if opts.lower_bound is not None else 0.0),
             BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
             BETA_SCALE=2.0 if opts.allow_neg_eigval else 1.0,
-            DOT_A=DOT_MODES.index(config.prepare_dot if sixteen_bit else config.fp32_dot),
-            DOT_WU=DOT_MODES.index(config.prepare_wu_dot if sixteen_bit else config.fp32_dot),
-            DOT_INV=DOT_MODES.index(config.inverse_dot if sixteen_bit else config.fp32_dot),
+            DOT_A=dot_code(config.prepare_dot if sixteen_bit else config.fp32_dot),
+            DOT_WU=dot_code(config.prepare_wu_dot if sixteen_bit else config.fp32_dot),
+            DOT_INV=dot_code(config.inverse_dot if sixteen_bit else config.fp32_dot),
             STORE_X=store_x,
         ),
         num_warps=config.prepare_warps,
@@ -118,7 +118,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             STATE_V_FIRST=opts.state_v_first,
             INDEXED_STATE=indexed_state,
             # 16-bit intermediates make 16-bit products; float32 ones take fp32_dot.
-            DOT=0 if sixteen_bit else DOT_MODES.index(config.fp32_dot),
+            DOT=0 if sixteen_bit else dot_code(config.fp32_dot),
             SPLIT_K=split,  # the state as two [BK, BV] tiles
         ),
         num_warps=(config.state_warps_fp32
@@ -179,7 +179,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
             q, k, v, g, beta,
             dummy if A_log is None else A_log.astype(f32),
             dummy if dt_bias is None else dt_bias.astype(f32),
-            meta.buffer, meta.off_cu, meta.off_ct,
+            meta.buffer, meta.off_cu, meta.off_ct, meta.num_bounds, tokens,
             grid=(meta.chunk_programs, hv, 1),
             out_shape=[
                 jax.ShapeDtypeStruct((tokens, hv, kd), work),
@@ -201,7 +201,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     o, ht = launch(
         getattr(mod, state.kernel),
         w, u, qg, kt, aqk, gl, st.h0, st.read_idx, st.write_idx,
-        meta.buffer, meta.off_cu, meta.off_co, n, tokens, st.slots,
+        meta.buffer, meta.off_cu, meta.off_co, n, tokens, meta.chunk_programs, st.slots,
         grid=(meta.seq_programs, hv, -(-vd // state.constexprs["BV"])),
         out_shape=[
             jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), q.dtype),

@@ -1,13 +1,24 @@
 """One way to launch a Triton kernel from JAX: jax-triton on a GPU, or Triton's
 interpreter on the host when ``KDA_JAX_INTERPRET=1``.
 
+The interpreter dereferences raw host pointers, so an access outside an array
+may read or overwrite neighbouring heap memory without a sign. With
+``KDA_JAX_INTERPRET_GUARD=1`` (or ``end``) every array a kernel gets (inputs
+and outputs) sits at the end of its own mmap'd region, between two
+inaccessible (PROT_NONE) pages: an access past its end faults at once
+(SIGSEGV). ``KDA_JAX_INTERPRET_GUARD=start`` places each array at the start of
+its region instead, so that an access before its start faults at once. A test
+mode: it costs a region and two copies per array and launch.
+
 Kernel parameters follow jax-triton's order: array and scalar inputs, then one
 pointer per output, then constexprs by name.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import mmap
 import os
 import sys
 import traceback
@@ -17,9 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax import configs
+from kda_jax.configs import DOT_MODES
 from kda_jax.triton import compat
 
-__all__ = ["interpret_mode", "available", "unavailable_reason", "kernels", "launch", "stand_in"]
+__all__ = ["interpret_mode", "guard_mode", "available", "unavailable_reason", "kernels", "launch",
+           "stand_in"]
 
 
 def stand_in(dtype=np.float32) -> jax.Array:
@@ -35,6 +48,30 @@ def stand_in(dtype=np.float32) -> jax.Array:
 def interpret_mode() -> bool:
     """True when KDA_JAX_INTERPRET=1: kernels run in Triton's interpreter on the host."""
     return os.environ.get("KDA_JAX_INTERPRET", "") == "1"
+
+
+def dot_code(mode: str) -> int:
+    """The kernels' DOT constexpr for product precision ``mode`` (an entry of
+    :data:`kda_jax.configs.DOT_MODES`). Triton's interpreter computes every
+    product in float32 and accepts only "ieee", "tf32" and "tf32x3", so the
+    split-bf16 modes run as "ieee" there."""
+    if interpret_mode() and mode in ("bf16x3", "bf16x6"):
+        return DOT_MODES.index("ieee")
+    return DOT_MODES.index(mode)
+
+
+_GUARD_MODES = {"": None, "0": None, "1": "end", "end": "end", "start": "start"}
+
+
+def guard_mode() -> str | None:
+    """Where the interpreter places arrays between guard pages
+    (``KDA_JAX_INTERPRET_GUARD``): "end", "start", or None (off)."""
+    value = os.environ.get("KDA_JAX_INTERPRET_GUARD", "")
+    if value not in _GUARD_MODES:
+        raise ValueError(f"KDA_JAX_INTERPRET_GUARD={value!r} must be one of "
+                         f"{sorted(_GUARD_MODES)}: 1 or end (faults past an array's end), "
+                         "start (faults before its start), empty or 0 (off)")
+    return _GUARD_MODES[value]
 
 
 def _enter_interpreter() -> str | None:
@@ -197,20 +234,51 @@ def _poisoned(shape, dtype, zero: bool) -> np.ndarray:
     return np.full(shape, np.nan, dtype)
 
 
+_PROT_NONE = 0
+
+
+def _mprotect_none(address: int, size: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.mprotect(address, size, _PROT_NONE) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect of a guard page failed")
+
+
+def _guarded(array: np.ndarray, at_end: bool) -> np.ndarray:
+    """A copy of ``array`` in its own mmap'd region, preceded and followed by
+    a PROT_NONE page, flush against the following page (``at_end``) or the
+    preceding one. The region is unmapped when the copy is collected."""
+    page = mmap.PAGESIZE
+    nbytes = array.nbytes
+    body = max(-(-nbytes // page), 1) * page
+    region = mmap.mmap(-1, body + 2 * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    raw = np.frombuffer(region, np.uint8)
+    base = raw.ctypes.data
+    _mprotect_none(base, page)
+    _mprotect_none(base + page + body, page)
+    start = page + (body - nbytes if at_end else 0)
+    out = raw[start:start + nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
 def _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliases=None):
     array_pos = [i for i, a in enumerate(args) if not isinstance(a, (int, np.integer))]
     arrays = [args[i] for i in array_pos]
     source = {o: i for i, o in (aliases or {}).items()}  # output -> aliased args position
+    guard_mode()  # an unknown value is named at trace time
 
     def host(*host_arrays):
+        guard = guard_mode()  # read per call: a test may move arrays between calls
+        place = (lambda a: a) if guard is None else (lambda a: _guarded(a, guard == "end"))
         full = list(args)
         for i, a in zip(array_pos, host_arrays):
-            full[i] = _HostTensor(np.ascontiguousarray(np.asarray(a)))
+            full[i] = _HostTensor(place(np.ascontiguousarray(np.asarray(a))))
         # An aliased output starts as a copy of its input (on a GPU it is the
         # input's buffer); the input stays a separate, read-only copy here.
         outs = [
-            np.array(full[source[i]].array, copy=True) if i in source
-            else _poisoned(s.shape, s.dtype, i in zeroed_outputs)
+            place(np.array(full[source[i]].array, copy=True)) if i in source
+            else place(_poisoned(s.shape, s.dtype, i in zeroed_outputs))
             for i, s in enumerate(out_shape)
         ]
         try:
@@ -218,7 +286,8 @@ def _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliase
         except Exception as e:  # the callback boundary drops the traceback; keep it
             detail = "".join(traceback.format_exception(e))
             raise RuntimeError(f"{getattr(kernel, '__name__', kernel)} failed in Triton's interpreter:\n{detail}") from e
-        return outs
+        # Guarded outputs leave their regions (JAX may keep a host array it is given).
+        return outs if guard is None else [np.array(o, copy=True) for o in outs]
 
     shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
     return list(jax.pure_callback(host, shapes, *[jnp.asarray(a) for a in arrays]))

@@ -1,0 +1,46 @@
+"""The loop shared by the config tuners: each grid entry changes a base config,
+is timed and checked under it, and becomes one record; a config that fails to
+compile is a record too (with its error), not the end of the run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Callable
+
+from bench import meta as run_meta
+
+
+def run_grid(base, changes, measure: Callable, shape) -> list[dict]:
+    """Records of ``measure(config) -> (ms, {error name: value})`` for each
+    config ``dataclasses.replace(base, **change)``; prints each as it lands."""
+    records = []
+    for change in changes:
+        cfg = dataclasses.replace(base, **change)
+        try:
+            ms, acc = measure(cfg)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+            print(f"{change}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            ms, acc = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        records.append({"config": dataclasses.asdict(cfg), "change": change,
+                        "shape": list(shape), "ms": ms, **acc})
+        print(json.dumps({"change": change, "ms": ms, **acc}), flush=True)
+    return records
+
+
+def write_records(path: str | None, module: str, argv, records: list[dict]):
+    """The run's JSON: one row per record, each with the run's metadata (bench.meta)."""
+    run_meta.write_rows(path, run_meta.stamp(records, run_meta.run_metadata(module, argv)))
+
+
+def parse_grid_args(doc: str, grids: dict, default: str, argv):
+    """(args, (B, T, H)) of a tuner's command line: --shape B,T,H, --grid NAME
+    (one of ``grids``), --json PATH."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--shape", default="1,8192,32")
+    p.add_argument("--grid", default=default, choices=sorted(grids))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    return args, tuple(int(x) for x in args.shape.split(","))

@@ -1,0 +1,80 @@
+"""Times chunk_kda's forward + backward under several backward configs and
+checks each one's gradients against the float32 reference (GPU only).
+
+    python -m bench.tune.tune_backward [--shape 1,8192,32] [--grid NAME] [--json PATH]
+
+Each row: the config change, the fwd+bwd median ms at the timing shape (bf16,
+K = V = 128, as bench.backward) and the worst relative RMS error of dq, dk,
+dv, dg, dbeta against autodiff of ``kda_jax.reference`` on a small varlen case.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kda_jax
+from bench.backward import jax_runner
+from bench.inputs import make
+from bench.tune.grid import parse_grid_args, run_grid, write_records
+from kda_jax import configs, reference, testing
+
+GRIDS = {
+    # Around the shipped sm90 config (each entry changes it).
+    "backward": [
+        {},
+        dict(prepare_block_k=32),
+        dict(prepare_wu_dot="bf16"),
+        dict(intra_loop_k=True),
+        dict(intra_loop_k=True, intra_block_k=32),
+        dict(intra_warps=4),
+        dict(wy_block_k=32, wy_block_v=32),
+        dict(wy_warps=4),
+    ],
+    "shipped": [{}],
+    # The recompute (the forward's prepare kernel storing X^T).
+    "recompute": [{}, dict(prepare_block_k=32), dict(prepare_block_k=32, inverse_dot="tf32"),
+                  dict(inverse_dot="tf32")],
+    "intra": [{}, dict(intra_block_k=32, intra_warps=8)],
+}
+NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def accuracy() -> dict:
+    """Relative RMS error of each gradient, bf16 inputs, against the float32
+    reference's (sequences of 1, 129 and 170 tokens, H = 4, K = V = 128)."""
+    x = testing.make_inputs(8, T=300, H=4, K=128, V=128, N=3, dtype=jnp.bfloat16)
+    cu = np.array([0, 1, 130, 300])
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(x.v.shape), jnp.float32)
+
+    def grads(fn, args):
+        loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w)
+        return jax.grad(loss, argnums=tuple(range(5)))(*args)
+
+    got = grads(lambda *a: kda_jax.chunk_kda(*a, cu_seqlens=cu, implementation="triton")[0],
+                x.args())
+    ref = grads(lambda *a: reference.naive_recurrent_kda(*a, cu_seqlens=cu)[0],
+                [jnp.asarray(a, jnp.float32) for a in x.args()])
+    return {f"{n}_rel_rms": testing.rel_rms(a, b) for n, a, b in zip(NAMES, got, ref)}
+
+
+def main(argv=None):
+    args, (b, t, h) = parse_grid_args(__doc__, GRIDS, "backward", argv)
+    arrays = make(b, t, h, 128, 128)
+
+    def measure(cfg):
+        with configs.override_backward(cfg):
+            return jax_runner("triton", arrays, None)(), accuracy()
+
+    records = run_grid(configs.backward_config(), GRIDS[args.grid], measure,
+                       (b, t, h, 128, 128))
+    write_records(args.json, "bench.tune.tune_backward", argv, records)
+
+
+if __name__ == "__main__":
+    main()

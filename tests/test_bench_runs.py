@@ -1,0 +1,121 @@
+"""Each benchmark's code path once on the CPU (XLA path, tiny shapes, no fla), and
+the fla child's protocol with a stand-in child (no torch needed). CPU timings are
+not results: these check the calls, the table and the JSON rows."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from bench import decode, fla_peer, forward, serving
+
+META = {"date", "commit", "dirty", "versions", "machine", "command"}
+
+
+def test_forward_sweep_runs_the_xla_path(tmp_path, capsys):
+    out = tmp_path / "f.json"
+    forward.main(["--impls", "xla", "--shapes", "1,40,2", "--head-dim", "16", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["implementation"] for r in rows] == ["kda_jax-xla"]
+    assert rows[0]["ms"] > 0 and META <= set(rows[0])
+    assert "kda_jax-xla" not in capsys.readouterr().err
+
+
+def test_serving_runs_every_kda_jax_row(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert serving.main(["--kda-impl", "xla", "--no-fla", "--lengths", "1,1,40", "--sets", "2",
+                         "--static-sets", "1", "--iters", "1", "--repeats", "1", "--heads", "2",
+                         "--head-dim", "16", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and all(r.get("error") is None for r in rows), rows
+    assert all(r["ms"] > 0 and r["d2h_per_step"] == 0 and META <= set(r) for r in rows)
+    assert rows[0]["command"].startswith("python -m bench.serving --kda-impl xla")
+    assert "bucketed + pool" in capsys.readouterr().out
+
+
+def test_decode_runs_every_kda_jax_step(tmp_path):
+    out = tmp_path / "d.json"
+    assert decode.main(["--kda-impl", "xla", "--no-fla", "--sizes", "3", "--iters", "1",
+                        "--repeats", "1", "--heads", "2", "--head-dim", "16",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {(r["form"], r["steps_per_call"]) for r in rows} == {
+        ("dense", 1), ("dense", 8), ("pool", 1), ("pool", 8)}
+    assert len(rows) == 5 and all(r.get("error") is None and r["ms"] > 0 for r in rows), rows
+    assert all(META <= set(r) and r["ratio_to_fla"] is None for r in rows)
+
+
+def test_decode_refuses_a_bad_size():
+    with pytest.raises(SystemExit):
+        decode.main(["--sizes", "256,0", "--no-fla"])
+
+
+def test_round_summary():
+    rounds = [dict(form="dense", kda_jax_ms=1.0, fla_ms=2.0), dict(form="dense", kda_jax_ms=3.0,
+              fla_ms=2.0), dict(form="dense", kda_jax_ms=2.0, fla_ms=2.0),
+              dict(form="pool", kda_jax_ms=1.0, fla_ms=1.0)]
+    got = decode.summarize(rounds)
+    assert got["dense"] == dict(rounds=3, kda_jax_ms=2.0, fla_ms=2.0, ratio_median=1.0,
+                                ratio_min=0.5, ratio_max=1.5)
+    assert got["pool"]["rounds"] == 1
+    assert [decode.round_order(r)[0] for r in range(3)] == ["kda_jax", "fla", "kda_jax"]
+
+
+# A stand-in for the fla child: the same line protocol, no torch.
+FAKE_CHILD = textwrap.dedent("""
+    import json, sys
+    print("a warning line", flush=True)
+    print(json.dumps({"ready": True, "torch": "t", "fla": "f"}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        if job["job"] == "die":
+            print("Traceback: CUDA error", flush=True)
+            sys.exit(1)
+        for form in job.get("forms", []):
+            print(json.dumps({"row": {"form": form, "ms": 2.0}}), flush=True)
+        print(json.dumps({"done": True}), flush=True)
+""")
+
+
+@pytest.fixture
+def fake_child(tmp_path):
+    path = tmp_path / "child.py"
+    path.write_text(FAKE_CHILD)
+    return [sys.executable, str(path)]
+
+
+def test_fla_peer_protocol_and_a_dying_child(fake_child, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # as jax-triton leaves it
+    assert "TRITON_CACHE_DIR" not in fla_peer.child_env()
+    with fla_peer.FlaPeer(fake_child) as fla:
+        assert fla.versions == {"torch": "t", "fla": "f"}
+        for _ in range(2):  # the child stays alive between jobs
+            got = list(fla.run({"job": "decode", "forms": ["dense", "pool"]}))
+            assert [m["row"]["form"] for m in got] == ["dense", "pool"]
+        with pytest.raises(fla_peer.FlaUnavailable, match="CUDA error"):
+            list(fla.run({"job": "die"}))
+
+
+def test_a_child_that_does_not_start(tmp_path):
+    path = tmp_path / "child.py"
+    path.write_text("raise ImportError('No module named fla')")
+    with pytest.raises(fla_peer.FlaUnavailable, match="No module named fla"):
+        fla_peer.FlaPeer([sys.executable, str(path)])
+
+
+def test_decode_rounds_alternate_with_the_child(fake_child, monkeypatch, tmp_path):
+    monkeypatch.setattr(fla_peer.FlaPeer.__init__, "__defaults__", (fake_child,))
+    out = tmp_path / "d.json"
+    decode.main(["--kda-impl", "xla", "--sizes", "2", "--rounds", "2", "--iters", "1",
+                 "--repeats", "1", "--heads", "2", "--head-dim", "16", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    rounds = {r["form"]: r for r in rows if "per_round" in r}
+    assert set(rounds) == {"dense", "pool"}
+    assert [r["first"] for r in rounds["dense"]["per_round"]] == ["kda_jax", "fla"]
+    assert rounds["dense"]["fla_ms"] == 2.0 and rounds["dense"]["rounds"] == 2
+    fla_rows = [r for r in rows if r["implementation"].startswith("fla ")]
+    assert {r["form"] for r in fla_rows} == {"dense", "pool"}
+    assert all(r["versions"]["torch"] == "t" for r in rows)
+    kda = [r for r in rows if r["implementation"].startswith("kda_jax")]
+    assert all(r["ratio_to_fla"] == pytest.approx(r["ms"] / 2.0) for r in kda)

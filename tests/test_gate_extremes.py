@@ -1,0 +1,143 @@
+"""Strong gates (issue 17 item 2): chunk_kda on both backends against the
+float32 reference for log-decays from -1e4 down to -inf, one token at -1e30,
+fp16 gates that round to -inf, and the in-kernel gate with extreme A_log and
+dt_bias; forward at the dtype's usual tolerance, gradients finite and at the
+float32 gradient bar against autodiff of the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda_jax
+from kda_jax.testing import make_inputs
+from kda_jax.triton import interpret_mode, unavailable_reason
+
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"Triton path unavailable: {unavailable_reason()}"))
+IMPLS = ["xla", TRITON]
+# The gradient bar of tests/test_grad.py and test_triton_grad.py (tf32 products on a GPU).
+GRAD_TOL = 1e-4 if (interpret_mode() or jax.default_backend() == "cpu") else 1e-3
+SHAPE = dict(B=1, T=70, H=1, K=16, V=16)
+
+
+def _case(name):
+    """(inputs, chunk_kda keyword arguments, tolerance name)."""
+    kw, tol = {}, "float32"
+    if name.startswith("every7"):
+        x = make_inputs(3, gate_floor=float(name.split("_")[1]), **SHAPE)
+    elif name == "one-1e30":
+        x = make_inputs(3, **SHAPE)
+        x.g[0, 30] = -1e30
+    elif name == "fp16-1e30":
+        x = make_inputs(3, dtype=np.float16, gate_floor=-1e30, **SHAPE)
+        x.g = x.g.astype(np.float16)  # -1e30 is -inf in fp16
+        assert np.isneginf(x.g[0, 0]).all()
+        tol = "float16"
+    else:  # the in-kernel gate
+        x = make_inputs(3, raw_gate=True, **SHAPE)
+        kw = dict(use_gate_in_kernel=True)
+        if name.startswith("gate-Alog"):
+            x.A_log[:] = float(name[len("gate-Alog"):])
+        elif name == "gate-dtbias":
+            x.dt_bias[::2], x.dt_bias[1::2] = 60.0, -60.0
+        elif name == "gate-lb-Alog100":
+            x.A_log[:] = 100.0
+            kw["lower_bound"] = -3.0
+    return x, kw, tol
+
+
+FORWARD = ["every7_-1e4", "every7_-1e5", "every7_-1e6", "every7_-inf", "one-1e30", "fp16-1e30",
+           "gate-Alog100", "gate-Alog-100", "gate-dtbias", "gate-lb-Alog100"]
+
+
+def _call(fn, x, kw, **extra):
+    arrays = dict(A_log=x.A_log, dt_bias=x.dt_bias) if kw.get("use_gate_in_kernel") else {}
+    return fn(*x.args(), initial_state=x.initial_state, output_final_state=True, **kw,
+              **arrays, **extra)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FORWARD)
+def test_forward_matches_reference(name, impl, check_close):
+    x, kw, tol = _case(name)
+    o, s = _call(kda_jax.chunk_kda, x, kw, implementation=impl)
+    ro, rs = _call(kda_jax.naive_recurrent_kda, x, kw)
+    check_close(o, ro, tol, "o")
+    check_close(s, rs, tol, "final_state")
+
+
+def _grads(fn, x, kw, w_o, w_s, **extra):
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    if kw.get("use_gate_in_kernel"):
+        names += ["A_log", "dt_bias"]
+    params = {n: jnp.asarray(getattr(x, n)) for n in names}
+
+    def loss(p):
+        fixed = dict(A_log=x.A_log, dt_bias=x.dt_bias) if kw.get("use_gate_in_kernel") else {}
+        fixed.update({n: p[n] for n in ("A_log", "dt_bias") if n in p})
+        o, s = fn(p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=p["initial_state"],
+                  output_final_state=True, **kw, **fixed, **extra)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
+
+    return jax.jit(jax.grad(loss))(params)
+
+
+GRADS = {"xla": ["every7_-1e6", "every7_-inf", "one-1e30", "gate-Alog100", "gate-Alog-100",
+                 "gate-dtbias", "gate-lb-Alog100"],
+         "triton": ["every7_-1e6", "one-1e30", "gate-Alog100", "gate-dtbias"]}
+
+
+# Every channel of the head decays by e^-22 or more per token (or not at all):
+# dA_log is ~1e-16 and the Triton backward's dg of such channels carries
+# absolute errors of eps * e^(one step's log-decay) (~1e-17) from the
+# reverse-cumsum form of the products' backward (dG_i - dG_j cancels pairs
+# that do not span a row), so dA_log is off by more than its own size while
+# every other gradient meets the bar. The XLA path differentiates the partial
+# sums directly and is exact.
+_KNOWN = {("triton", "gate-dtbias"): "dA_log of fully decayed channels: cancellation in "
+          "the Triton backward's dG -> dg reverse cumsum"}
+
+
+@pytest.mark.parametrize("impl,name", [
+    pytest.param(i, n, marks=pytest.mark.xfail(reason=_KNOWN[(i, n)], strict=True))
+    if (i, n) in _KNOWN else (i, n) for i in ("xla", "triton") for n in GRADS[i]])
+def test_gradients_finite_and_match_reference(impl, name, check_rel_rms):
+    if impl == "triton" and unavailable_reason() is not None:
+        pytest.skip(f"Triton path unavailable: {unavailable_reason()}")
+    x, kw, _ = _case(name)
+    rng = np.random.default_rng(1)
+    w_o = rng.standard_normal((1, SHAPE["T"], 1, SHAPE["V"])).astype(np.float32)
+    w_s = rng.standard_normal((1, 1, SHAPE["K"], SHAPE["V"])).astype(np.float32)
+    ref = _grads(kda_jax.naive_recurrent_kda, x, kw, w_o, w_s)
+    got = _grads(kda_jax.chunk_kda, x, kw, w_o, w_s, implementation=impl)
+    for n, r in ref.items():
+        assert np.isfinite(np.asarray(got[n])).all(), f"d{n} is not finite"
+        if np.abs(np.asarray(r)).max() == 0.0:  # e.g. dg below the floor, dh0 fully decayed
+            np.testing.assert_array_equal(np.asarray(got[n]), 0.0, err_msg=f"d{n}")
+        else:
+            check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
+
+
+@pytest.mark.parametrize("A_log", [100.0, -100.0, 1e30, -1e30])
+@pytest.mark.parametrize("lower_bound", [None, -2.0])
+def test_gate_is_finite_with_finite_gradients(A_log, lower_bound):
+    """transforms.gate over raw values from -inf to +inf: finite, in
+    [GATE_FLOOR, 0], with finite gradients for A_log, dt_bias and g."""
+    from kda_jax import transforms
+
+    g = jnp.asarray([[[-jnp.inf, -1e30, -50.0, -1e-3, 0.0, 1e-3, 50.0, 1e30, jnp.inf]]])
+    dt = jnp.zeros((9,), jnp.float32)
+
+    def total(g, a, dt):
+        return jnp.sum(transforms.gate(g, a, dt, lower_bound))
+
+    out = transforms.gate(g, jnp.asarray([A_log], jnp.float32), dt, lower_bound)
+    assert np.isfinite(np.asarray(out)).all()
+    assert (np.asarray(out) <= 0).all() and (np.asarray(out) >= transforms.GATE_FLOOR).all()
+    grads = jax.grad(total, argnums=(0, 1, 2))(g, jnp.asarray([A_log], jnp.float32), dt)
+    for d in grads:
+        assert np.isfinite(np.asarray(d)).all()
