@@ -121,6 +121,18 @@ class SeqBounds:
         return (SeqBounds, (self._cu.copy(),))
 
 
+# SeqBounds as a pytree without leaves: a jitted function can take it as an
+# ordinary argument, and its contents key the compilation cache. Registered
+# here, where it is defined, when JAX is installed; this module itself needs
+# only NumPy.
+try:
+    import jax as _jax
+except ImportError:  # pragma: no cover - exercised only without JAX
+    pass
+else:
+    _jax.tree_util.register_static(SeqBounds)
+
+
 def _is_integer_array(a: np.ndarray) -> bool:
     return np.issubdtype(a.dtype, np.integer) and a.dtype != np.bool_
 

@@ -18,8 +18,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["StatePool", "read_index", "read_states", "write_states", "gather_run_scatter"]
+__all__ = ["StatePool", "narrow_indices", "read_index", "read_states", "write_states", "gather_run_scatter"]
 
 
 class StatePool(NamedTuple):
@@ -33,6 +34,27 @@ class StatePool(NamedTuple):
     cache: jax.Array
     indices: jax.Array
     has_initial_state: jax.Array | None
+
+
+def narrow_indices(indices, slots: int):
+    """int32 ``[N]`` pool rows from integer ``indices`` ``[N]`` of any width.
+
+    An index outside ``[0, slots)`` becomes -1 (padding) before the cast, so a
+    wide index (int64 under ``jax_enable_x64``, uint32, ...) such as 2**32 + 1
+    cannot wrap onto a real row. NumPy in, NumPy out (on the host); jax in, jax
+    out (on the device, nothing read back). int32 passes unchanged: the kernels
+    and :func:`read_states` / :func:`write_states` treat its out-of-range
+    entries as padding themselves.
+    """
+    xp = np if isinstance(indices, np.ndarray) else jnp
+    dtype = np.dtype(indices.dtype)
+    if dtype == np.int32:
+        return indices
+    if dtype.itemsize < 4:  # int8/16, uint8/16: the cast is exact
+        return indices.astype(xp.int32)
+    inside = (indices >= 0) & (indices < slots)
+    # Entries inside [0, slots) cast exactly; the others wrap but are replaced.
+    return xp.where(inside, indices.astype(xp.int32), -1).astype(xp.int32)
 
 
 def read_index(pool: StatePool) -> jax.Array:

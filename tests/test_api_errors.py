@@ -3,6 +3,8 @@ message names the argument (and its value or shape)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,9 +176,26 @@ def test_bad_call(name, fn):
         _call(fn, args, **kw)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 128, 0, True, 64.5, "64"])
+@pytest.mark.parametrize("chunk_size", [16, 128, 0, -64, np.int64(48)])
 def test_bad_chunk_size(chunk_size):
-    with pytest.raises(ValueError, match=rf"chunk_size={chunk_size!r} must be 32 or 64"):
+    with pytest.raises(ValueError, match=rf"chunk_size={int(chunk_size)} must be 32 or 64"):
+        _call(kda_jax.chunk_kda, a0, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [True, np.bool_(True), 32.0, 64.5, "64", jnp.array(32),
+                                        np.array(32), None], ids=repr)
+def test_chunk_size_must_be_an_int(chunk_size):
+    """Only a Python int (or NumPy integer scalar) selects the chunk size: a float
+    equal to 32, a bool or an array is refused by name, with the value."""
+    with pytest.raises(TypeError, match=r"chunk_size must be a Python int, 32 or 64 \(it is "
+                                        r"fixed at trace time\), got "
+                                        + re.escape(repr(chunk_size))):
+        _call(kda_jax.chunk_kda, a0, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [32, np.int32(64)], ids=repr)
+def test_integer_chunk_sizes_pass(chunk_size):
+    with pytest.raises(BackendRan):
         _call(kda_jax.chunk_kda, a0, chunk_size=chunk_size)
 
 
@@ -215,3 +234,97 @@ def test_chunk_triton_head_dim_limit():
     x = make_inputs(0, B=1, T=10, H=2, K=300, V=8)
     with pytest.raises(RuntimeError, match=r"implementation='triton' cannot run this call: "):
         kda_jax.chunk_kda(*x.args(), implementation="triton")
+
+
+# Every array argument takes bf16, fp16 or fp32 only; float8 used to pass the
+# "floating point" check and crash the Triton path, float64 narrowed silently.
+_ARRAY_ARGS = {
+    "q": lambda dt: dict(q=a0["q"].astype(dt)),
+    "k": lambda dt: dict(k=a0["k"].astype(dt)),
+    "v": lambda dt: dict(v=a0["v"].astype(dt)),
+    "g": lambda dt: dict(g=a0["g"].astype(dt)),
+    "beta": lambda dt: dict(beta=a0["beta"].astype(dt)),
+    "initial_state": lambda dt: dict(initial_state=np.zeros((1, HV, K, V), dt)),
+    "A_log": lambda dt: dict(use_gate_in_kernel=True, A_log=x0.A_log.astype(dt)),
+    "dt_bias": lambda dt: dict(use_gate_in_kernel=True, A_log=x0.A_log,
+                               dt_bias=x0.dt_bias.astype(dt)),
+}
+_BAD_FLOATS = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2,
+               "float64": np.float64, "complex64": np.complex64}
+
+
+@pytest.mark.parametrize("fn", FNS.values(), ids=FNS.keys())
+@pytest.mark.parametrize("dtype", _BAD_FLOATS, ids=_BAD_FLOATS.keys())
+@pytest.mark.parametrize("arg", _ARRAY_ARGS)
+def test_dtypes_other_than_bf16_fp16_fp32_are_refused(arg, dtype, fn):
+    kw = _ARRAY_ARGS[arg](_BAD_FLOATS[dtype])
+    with pytest.raises(TypeError, match=rf"{arg} must be floating point \(bf16, fp16 or fp32\), "
+                                        rf"got dtype {dtype}; cast it"):
+        _call(fn, {**a0, **{n: kw.pop(n) for n in list(kw) if n in a0}}, **kw)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16, np.float32], ids=str)
+@pytest.mark.parametrize("arg", _ARRAY_ARGS)
+def test_bf16_fp16_fp32_pass(arg, dtype):
+    kw = _ARRAY_ARGS[arg](dtype)
+    with pytest.raises(BackendRan):
+        _call(kda_jax.chunk_kda, {**a0, **{n: kw.pop(n) for n in list(kw) if n in a0}}, **kw)
+
+
+def _sized(B=1, T=4, H=1, HV=1, K=4, V=4, dtype=np.float32):
+    z = lambda *s: np.zeros(s, dtype)
+    return dict(q=z(B, T, H, K), k=z(B, T, H, K), v=z(B, T, HV, V), g=z(B, T, HV, K),
+                beta=z(B, T, HV))
+
+
+# (sizes, message) for zero-size head dimensions: refused by name (they used
+# to raise ZeroDivisionError, or to run on one backend and not the other).
+ZERO_HEADS = {
+    "H": (dict(H=0, HV=0), r"H \(q/k heads\)=0 \(q.shape\[2\]\) must be >= 1"),
+    "H-with-HV": (dict(H=0, HV=2), r"H \(q/k heads\)=0 \(q.shape\[2\]\) must be >= 1"),
+    "HV": (dict(H=1, HV=0), r"HV \(value heads\)=0 \(v.shape\[2\]\) must be >= 1"),
+    "K": (dict(K=0), r"K \(key head size\)=0 \(q.shape\[3\]\) must be >= 1"),
+    "V": (dict(V=0), r"V \(value head size\)=0 \(v.shape\[3\]\) must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("fn", FNS.values(), ids=FNS.keys())
+@pytest.mark.parametrize("case", ZERO_HEADS)
+def test_zero_size_heads_are_refused(case, fn, impl):
+    sizes, match = ZERO_HEADS[case]
+    with pytest.raises(ValueError, match=match + r".*skip the call instead"):
+        _call(fn, _sized(**sizes), implementation=impl, output_final_state=True)
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("fn", FNS.values(), ids=FNS.keys())
+def test_zero_batch_gives_the_empty_result(fn, impl):
+    """B = 0: no sequence, so o is [0, T, HV, V] in q's dtype and the final state
+    [0, HV, K, V] float32, without running a backend (inside jit too)."""
+    args = _sized(B=0, T=5, H=2, HV=4, K=8, V=6, dtype=jnp.bfloat16)
+    o, final = _call(fn, args, implementation=impl, output_final_state=True)
+    assert (o.shape, o.dtype) == ((0, 5, 4, 6), jnp.bfloat16)
+    assert (final.shape, final.dtype) == ((0, 4, 8, 6), jnp.float32)
+    o_ref, _ = kda_jax.naive_recurrent_kda(*args.values())
+    assert o_ref.shape == o.shape
+    # State-first layout, an initial state with N = B = 0, and inside jit.
+    h0 = jnp.zeros((0, 4, 6, 8), jnp.float32)
+    o, final = jax.jit(lambda a, h: _call(fn, a, implementation=impl, initial_state=h,
+                                          output_final_state=True, state_v_first=True))(args, h0)
+    assert o.shape == (0, 5, 4, 6) and final.shape == (0, 4, 6, 8)
+    o, final = _call(fn, args, implementation=impl)
+    assert o.shape == (0, 5, 4, 6) and final is None
+    with pytest.raises(ValueError, match=r"initial_state must have shape \(0, 4, 8, 6\).*"
+                                         r"N = B = 0, got \(1, 4, 8, 6\)"):
+        _call(fn, args, initial_state=np.zeros((1, 4, 8, 6), np.float32))
+
+
+@pytest.mark.parametrize("fn", FNS.values(), ids=FNS.keys())
+def test_zero_batch_with_a_pool_leaves_it_unchanged(fn):
+    args = _sized(B=0, T=3, H=1, HV=2, K=4, V=4)
+    pool = np.random.default_rng(0).standard_normal((3, 2, 4, 4)).astype(np.float32)
+    o, new = _call(fn, args, state_cache=pool, state_indices=np.zeros(0, np.int32),
+                   implementation="xla")
+    assert o.shape == (0, 3, 2, 4)
+    np.testing.assert_array_equal(np.asarray(new), pool)

@@ -36,6 +36,7 @@ from kda_jax.configs import BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward import (KernelLaunch, chunk_kda_triton, forward_launches,
                                     split_state_k, work_dtype)
+from kda_jax.triton.forward_only import unbatchable
 from kda_jax.triton.launch import dot_code, interpret_mode, kernels, launch, stand_in
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
@@ -257,16 +258,23 @@ def _poisoned(poison, q_bad, bounds: SeqBounds):
     return rows, seen[cu[1:]] - seen[cu[:-1]] > 0
 
 
+def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config):
+    """The forward; jax.vmap of it raises kda_jax's error (no batching rule)."""
+    run = lambda *arrays: chunk_kda_triton(*arrays, opts=opts, bounds=bounds, config=config)
+    return unbatchable(run, _FORM)(q, k, v, g, beta, initial_state, A_log, dt_bias)
+
+
+_FORM = "chunk_kda on the Triton path (implementation='triton', the default on a GPU)"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _chunk_kda(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
                bwd_config):
-    return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
-                            bounds=bounds, config=config)
+    return _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config)
 
 
 def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, bwd_config):
-    out = chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
-                           bounds=bounds, config=config)
+    out = _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config)
     return out, (q, k, v, g, beta, initial_state, A_log, dt_bias)
 
 

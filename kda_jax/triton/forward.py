@@ -20,10 +20,12 @@ from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import ForwardConfig
 from kda_jax.options import KdaOptions
+from kda_jax.triton.forward_only import forward_only
 from kda_jax.triton.launch import dot_code, interpret_mode, kernels, launch, stand_in
 from kda_jax.triton.state_args import kernel_states
 
-__all__ = ["KernelLaunch", "chunk_kda_triton", "forward_launches", "split_state_k", "work_dtype"]
+__all__ = ["KernelLaunch", "chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches",
+           "split_state_k", "work_dtype"]
 
 # Position of h0 (the pool, when there is one) among the state kernel's arguments.
 _STATE_H0_ARG = 6
@@ -215,3 +217,21 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     if indexed:
         return o, ht
     return o, (ht if opts.output_final_state else None)
+
+
+def chunk_kda_triton_serving(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
+                             opts: KdaOptions, bounds, config: ForwardConfig,
+                             pool: state_pool.StatePool | None = None):
+    """:func:`chunk_kda_triton` for the serving forms (a pool, or a VarlenBatch
+    as ``bounds``), which are forward only: jax.grad and jax.vmap of it raise
+    (:mod:`kda_jax.triton.forward_only`) instead of failing inside JAX."""
+    with_what = "a state_cache" if pool is not None else "a VarlenBatch as cu_seqlens"
+    form = (f"chunk_kda on the Triton path (implementation='triton', the default on a GPU) "
+            f"with {with_what}")
+
+    def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool):
+        return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
+                                bounds=bounds, config=config, pool=pool)
+
+    return forward_only(run, form)(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds,
+                                   pool)

@@ -17,6 +17,7 @@ from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
+from kda_jax.triton.forward_only import forward_only
 from kda_jax.triton.launch import kernels, launch, stand_in
 from kda_jax.triton.state_args import kernel_states
 
@@ -81,7 +82,25 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
     """Validated inputs in; ``(o, final_state | None)`` out, or ``(o, new_cache)``
     with a pool (then ``initial_state`` is None). ``bounds``: SeqBounds or
     VarlenBatch (a batch's padded sequence slots already masked in ``pool``).
-    See kda_jax.fused_recurrent_kda."""
+    See kda_jax.fused_recurrent_kda.
+
+    Forward only in every form: jax.grad and jax.vmap of it raise
+    (:mod:`kda_jax.triton.forward_only`)."""
+
+    def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool):
+        return _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
+                       bounds=bounds, config=config, pool=pool)
+
+    return forward_only(run, _FORM)(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds,
+                                    pool)
+
+
+_FORM = "fused_recurrent_kda on the Triton path (implementation='triton', the default on a GPU)"
+
+
+def _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts: KdaOptions, bounds,
+            config: RecurrentConfig, pool: state_pool.StatePool | None):
+    """The launch of :func:`fused_recurrent_kda_triton` (same arguments)."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
     tokens = b * t

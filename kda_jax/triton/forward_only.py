@@ -1,0 +1,86 @@
+"""Forward-only Triton forms: jax.grad, jax.jvp and jax.vmap of them raise a
+kda_jax error that names the form and the alternative.
+
+The Triton launches (jax-triton's custom call, or ``jax.pure_callback`` in
+interpret mode) have neither a JVP nor a batching rule, so JAX would fail deep
+inside with its own message ("Pure callbacks do not support JVP", a missing
+batching rule). :func:`forward_only` wraps such a form in a ``jax.custom_jvp``
+whose rule raises :class:`NotDifferentiableError`, around
+:func:`unbatchable`: a ``jax.custom_batching.custom_vmap`` whose rule raises
+:class:`NotBatchableError` (chunk_kda's differentiable Triton path uses that
+one alone, inside its ``jax.custom_vjp``).
+Both rules run at trace time only; the forward value and ``jax.jit`` are
+unchanged (the primal is the wrapped function itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+__all__ = ["UnsupportedTransformError", "NotDifferentiableError", "NotBatchableError",
+           "forward_only", "unbatchable", "GRAD_ALTERNATIVE", "VMAP_ALTERNATIVE"]
+
+GRAD_ALTERNATIVE = (
+    "differentiable are chunk_kda's Triton path with host bounds (cu_seqlens None, a list, a "
+    "NumPy array or a SeqBounds) and no state_cache, and implementation='xla' in every form "
+    "(both functions, a state_cache, a VarlenBatch)"
+)
+VMAP_ALTERNATIVE = (
+    "under jax.vmap use implementation='xla', or fold the mapped axis into the call instead "
+    "(more rows of B, or more sequences in cu_seqlens)"
+)
+
+
+class UnsupportedTransformError(NotImplementedError):
+    """A JAX transformation that a kda_jax form does not support."""
+
+
+class NotDifferentiableError(UnsupportedTransformError):
+    """jax.grad / jax.jvp / jax.vjp of a forward-only form."""
+
+
+class NotBatchableError(UnsupportedTransformError):
+    """jax.vmap of a form without a batching rule."""
+
+
+def unbatchable(fn: Callable, form: str) -> Callable:
+    """``fn`` (positional pytree arguments of arrays, SeqBounds or VarlenBatch)
+    with the same value, whose batching raises :class:`NotBatchableError`.
+
+    ``form`` names the call in the message, e.g.
+    ``"fused_recurrent_kda on the Triton path"``.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def unbatched(*args):
+        return fn(*args)
+
+    @unbatched.def_vmap
+    def _no_vmap(axis_size, in_batched, *args):
+        raise NotBatchableError(
+            f"jax.vmap of {form} is not supported: its Triton kernels have no batching rule; "
+            f"{VMAP_ALTERNATIVE}"
+        )
+
+    return unbatched
+
+
+def forward_only(fn: Callable, form: str) -> Callable:
+    """:func:`unbatchable` ``fn`` whose differentiation (jax.grad, jax.jvp,
+    jax.vjp) also raises, with :class:`NotDifferentiableError`."""
+    unbatched = unbatchable(fn, form)
+
+    @jax.custom_jvp
+    def primal(*args):
+        return unbatched(*args)
+
+    @primal.defjvp
+    def _no_jvp(primals, tangents):
+        raise NotDifferentiableError(
+            f"jax.grad / jax.jvp of {form} is not supported: it is forward only (no backward "
+            f"kernels); {GRAD_ALTERNATIVE}"
+        )
+
+    return primal
