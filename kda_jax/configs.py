@@ -126,7 +126,7 @@ FORWARD = {
     "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
                           state_block_v=32, state_warps=4, state_stages=3,
                           prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32",
-                          fp32_dot="tf32x3",
+                          fp32_dot="bf16x3",
                           fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8,
                           state_stages_wide=2),
     # gfx950: float32 at K = 128 takes 232 KiB of LDS at two stages (160 KiB
@@ -148,7 +148,7 @@ FORWARD = {
 # at K = 128 spills 96-112 bytes at 8 warps and none at 4 (253-255 registers).
 FORWARD_C32 = {
     "sm90": dataclasses.replace(FORWARD["sm90"], prepare_block_k=64, prepare_warps=4,
-                                fp32_block_k=32, state_warps_fp32=4),
+                                fp32_block_k=64, state_warps_fp32=4),
 }
 
 def current_arch() -> str:
@@ -345,6 +345,7 @@ class BackwardConfig:
       inverse_dot as the forward's).
     state_block_v / state_warps / state_stages: both state passes (forward
       h and reverse dS; one program per sequence, head and V block).
+    state_warps_wide: both state passes' warps past K = 128.
     inter_block_k / inter_block_v / inter_warps: the per-chunk state terms
       (grid chunks x heads x K blocks; loops over V blocks).
     wy_block_k / wy_block_v / wy_warps: the per-chunk gradients through X
@@ -358,6 +359,9 @@ class BackwardConfig:
       (see ForwardConfig.prepare_dot).
     fp32_dot: precision of the state passes' and the inter kernel's products
       when the intermediates are float32 (16-bit ones multiply exactly).
+    prepare_fp32_dot: the recompute's products with float32 inputs (as
+      ForwardConfig.fp32_dot; the state passes and the inter kernel take
+      fp32_dot).
     prepare_fp32_block_k / state_stages_fp32 / inter_block_v_fp32: the
       recompute's K slice (as ForwardConfig.fp32_block_k), both state passes'
       stages and the inter kernel's V block with float32 intermediates (None:
@@ -375,6 +379,7 @@ class BackwardConfig:
     inverse_dot: str = "ieee"
     state_block_v: int = 32
     state_warps: int = 4
+    state_warps_wide: int = 4
     state_stages: int = 2
     inter_block_k: int = 64
     inter_block_v: int = 64
@@ -389,13 +394,14 @@ class BackwardConfig:
     product_dot: str = "ieee"
     fp32_dot: str = "ieee"
     prepare_fp32_block_k: int | None = None
+    prepare_fp32_dot: str = "ieee"
     state_stages_fp32: int | None = None
     inter_block_v_fp32: int | None = None
     dstate_split_k: bool = True
 
     def __post_init__(self):
         for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "inverse_dot", "wy_dot",
-                     "wy_fp32_dot", "fp32_dot"):
+                     "wy_fp32_dot", "fp32_dot", "prepare_fp32_dot"):
             if getattr(self, name) not in DOT_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of "
                                  f"{', '.join(DOT_MODES)}")
@@ -409,7 +415,8 @@ class BackwardConfig:
                 continue
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
-        for name in ("prepare_warps", "state_warps", "inter_warps", "wy_warps", "intra_warps"):
+        for name in ("prepare_warps", "state_warps", "state_warps_wide", "inter_warps", "wy_warps",
+                     "intra_warps"):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
@@ -428,14 +435,15 @@ BACKWARD = {
     # float32 inputs (docs/tuning.md, backward).
     "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=4, prepare_dot="bf16x3",
                            prepare_wu_dot="tf32x3", inverse_dot="bf16x3", state_block_v=16,
-                           inter_block_k=32,
+                           state_warps_wide=8, inter_block_k=32,
                            wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="bf16x3",
                            wy_fp32_dot="ieee",
                            intra_block_k=16, intra_warps=8, product_dot="bf16x3",
-                           fp32_dot="tf32x3", inter_block_v_fp32=32),
+                           fp32_dot="tf32x3", inter_block_v_fp32=32, prepare_fp32_dot="bf16x3",
+                           prepare_fp32_block_k=16),
     # gfx950: the float32 reverse state pass at K = 128 takes 248 KiB of LDS at
     # two stages (160 KiB per workgroup).
-    "gfx950": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=2,
+    "gfx950": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=2, state_warps_wide=2,
                              inter_warps=2, wy_warps=4, state_stages_fp32=1),
     # gfx942: 64 KiB of LDS; the reverse state pass fits at one stage, 4 waves.
     # Its intra kernel spills a VGPR at 32-wide K blocks (156 VGPRs at 16).
@@ -450,7 +458,7 @@ BACKWARD = {
 BACKWARD_C32 = {
     "sm90": dataclasses.replace(BACKWARD["sm90"], prepare_block_k=64, prepare_warps=4,
                                 inter_block_k=16, inter_block_v=16, inter_block_v_fp32=None,
-                                prepare_fp32_block_k=32, dstate_split_k=False),
+                                prepare_fp32_block_k=64, dstate_split_k=False, wy_warps=4),
 }
 
 _BACKWARD = _Table(BackwardConfig, BACKWARD, BACKWARD_C32)

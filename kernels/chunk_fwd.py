@@ -123,11 +123,11 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _pairwise_product(b_a, b_k, b_g, o_t, n_rows, BT: tl.constexpr):
-    """[BT, BT]: a_i . k_j e^(G_i - G_j) on and below the diagonal, for one K
-    slice, column by column; G_i - G_j is summed from the log-decays b_g of
-    rows j + 1 .. i (a partial sum: exact for any gate, however large G)."""
-    b_out = tl.zeros([BT, BT], dtype=tl.float32)
+def _pairwise_product(b_out, b_a, b_k, b_g, o_t, n_rows):
+    """b_out [BT, BT] plus a_i . k_j e^(G_i - G_j) on and below the diagonal,
+    for one K slice, column by column (accumulated in place: one [BT, BT]
+    tile live); G_i - G_j is summed from the log-decays b_g of rows j + 1 .. i
+    (a partial sum: exact for any gate, however large G)."""
     for j in range(0, n_rows):
         b_kj = _row_of(b_k, o_t, j)
         m_i = o_t[:, None] >= j
@@ -322,7 +322,6 @@ def kda_fwd_prepare_kernel(
     # path, exponents that are differences of G come from partial sums of
     # the log-decays instead (reloaded: the slow path only).
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_qbad = o_t < 0
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
@@ -330,12 +329,11 @@ def kda_fwd_prepare_kernel(
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
         b_G = _g_tile(gc, p_tk, m_t, m_k, b_last)
-        b_q, b_bad = _tile_checked(q, rows, m_t, i_h, o_k, m_k, H, K)
-        b_qbad = b_qbad | b_bad
-        b_q = b_q * b_sq[:, None]
-        b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
-        b_poison = b_poison | b_bad
-        b_k = b_k * b_sk[:, None]
+        b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
+        # k unchecked here: a non-finite k_j reaches Aqk's column j only,
+        # masked above the diagonal by a select, and kt's row j (the state
+        # after the chunk, poisoned below); pass 2 checks it.
+        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
         if fast:
             b_aqk += _anchored_product(b_q, b_k, b_G, b_A, DOT_A)
             b_sfx = b_last[None, :] - b_G
@@ -343,7 +341,7 @@ def kda_fwd_prepare_kernel(
             b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
-            b_aqk += _pairwise_product(b_q, b_k, b_g, o_t, n_rows, BT)
+            b_aqk = _pairwise_product(b_aqk, b_q, b_k, b_g, o_t, n_rows)
             b_sfx = _suffix_exponent(b_g)
         tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kt + p_tk, (b_k * tl.exp(b_sfx)).to(kt.dtype.element_ty), mask=m_tk)
@@ -362,7 +360,8 @@ def kda_fwd_prepare_kernel(
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
         b_G = _g_tile(gc, p_tk, m_t, m_k, b_last)
-        b_k, _ = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
+        b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
+        b_poison = b_poison | b_bad
         b_k = b_k * b_sk[:, None]
         if fast:
             b_akk += _anchored_product(b_k, b_k, b_G, b_A, DOT_A)
@@ -370,7 +369,7 @@ def kda_fwd_prepare_kernel(
             b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
-            b_akk += _pairwise_product(b_k, b_k, b_g, o_t, n_rows, BT)
+            b_akk = _pairwise_product(b_akk, b_k, b_k, b_g, o_t, n_rows)
         tl.store(w + p_tk, (b_k * b_b[:, None] * tl.exp(b_G)).to(w.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
@@ -407,7 +406,7 @@ def kda_fwd_prepare_kernel(
     # poisoning row on, and rows whose q was non-finite (o = qg h + Aqk v_new
     # row by row); NaN over gl (the state after the chunk).
     b_first = tl.min(tl.where(b_poison & m_t, o_t, BT), axis=0)
-    b_nan_rows = ((o_t >= b_first) | b_qbad) & m_t
+    b_nan_rows = (o_t >= b_first) & m_t
     if tl.max(b_nan_rows.to(tl.int32), axis=0) > 0:
         tl.debug_barrier()  # after every store of passes 0 and 1
         tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],

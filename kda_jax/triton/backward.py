@@ -58,7 +58,7 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         prepare_block_k=config.prepare_block_k, prepare_warps=config.prepare_warps,
         prepare_stages=config.prepare_stages, prepare_dot=config.prepare_dot,
         prepare_wu_dot=config.prepare_wu_dot, inverse_dot=config.inverse_dot,
-        fp32_dot=config.fp32_dot, fp32_block_k=config.prepare_fp32_block_k)
+        fp32_dot=config.prepare_fp32_dot, fp32_block_k=config.prepare_fp32_block_k)
     prepare, _ = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=plain, config=fwd, work=work,
                                   has_a_log=False, has_dt_bias=False,
                                   has_initial_state=False, store_x=True)
@@ -82,6 +82,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     # Past K = 128 the pipelined [BT, K] tiles outgrow shared memory (as forward).
     state_stages = (fp32(config.state_stages, config.state_stages_fp32)
                     if bk_state <= 128 else 1)
+    state_warps = config.state_warps if bk_state <= 128 else config.state_warps_wide
     # The state as two K halves, as the forward's (float32 intermediates), in
     # the reverse pass too unless the config says otherwise.
     split = split_state_k(work, kd)
@@ -97,12 +98,12 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         KernelLaunch("kda_bwd_state_kernel", dict(
             **common, BK=bk_state // (2 if split else 1), BV=bv_state,
             USE_INITIAL_STATE=has_initial_state, STATE_V_FIRST=opts.state_v_first,
-            DOT=dot_state, SPLIT_K=split), config.state_warps, state_stages),
+            DOT=dot_state, SPLIT_K=split), state_warps, state_stages),
         KernelLaunch("kda_bwd_dstate_kernel", dict(
             **common, BK=bk_state // (2 if split_rev else 1), BV=bv_state,
             USE_FINAL_GRAD=has_final_grad, STORE_INITIAL_GRAD=has_initial_state,
             STATE_V_FIRST=opts.state_v_first, DOT=dot_state, SPLIT_K=split_rev),
-            config.state_warps, state_stages),
+            state_warps, state_stages),
         KernelLaunch("kda_bwd_inter_kernel", dict(
             H=h, **common, BK=block(kd, config.inter_block_k),
             BV=block(vd, fp32(config.inter_block_v, config.inter_block_v_fp32)),
