@@ -546,9 +546,8 @@ _ARGS_DOC = """
         used in float32.
         Read only: the final state is a new array. Donating initial_state to
         the enclosing jit does not make a step in place (XLA copies the new
-        state into the donated buffer; a 256-sequence decode step on the H200
-        took 0.53 ms instead of 0.28): for in-place updates keep the states
-        in a ``state_cache``.
+        state into the donated buffer, about twice the time of an in-place
+        step): for in-place updates keep the states in a ``state_cache``.
       output_final_state: also return the state after each sequence.
       use_qk_l2norm_in_kernel: L2-normalize q and k (eps 1e-6, float32).
       use_gate_in_kernel: g is raw; g_eff = -exp(A_log) * softplus(g + dt_bias),
@@ -642,7 +641,7 @@ def chunk_kda(
 chunk_kda.__doc__ = (
     """Kimi Delta Attention, chunked (prefill and training).
 
-    Computes the gated delta rule with per-channel decay of KDA_SPEC section 1
+    Computes the gated delta rule with per-channel decay of docs/kda.md section 1
     in chunks of ``chunk_size`` (32 or 64) tokens. Call it inside ``jax.jit``;
     with ``cu_seqlens`` the varlen metadata is built on the host at trace time.
 """

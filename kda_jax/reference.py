@@ -1,4 +1,4 @@
-"""The float32 token-by-token recurrence: ground truth for every test (KDA_SPEC section 1).
+"""The float32 token-by-token recurrence: ground truth for every test (docs/kda.md section 1).
 
 Deliberately plain: one ``lax.scan`` over the tokens of each sequence, a Python
 loop over sequences, no chunking and no tricks. Slow, and meant to be.

@@ -1,4 +1,4 @@
-"""The optional input transforms of KDA (KDA_SPEC section 2), in float32 jax.numpy.
+"""The optional input transforms of KDA (docs/kda.md section 2), in float32 jax.numpy.
 
 Shared by the reference, the XLA path and the Triton backward (which
 differentiates them); the kernels implement the same formulas in-kernel

@@ -1,4 +1,4 @@
-"""The portable backend: KDA in jax.numpy (KDA_SPEC section 3), float32 inside.
+"""The portable backend: KDA in jax.numpy (docs/kda.md section 3), float32 inside.
 
 Both forms take their varlen layout from a lane schedule: tokens are gathered
 into ``[steps, lanes, chunk]`` slots, the chunk-parallel work is batched over

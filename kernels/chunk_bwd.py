@@ -1,4 +1,4 @@
-"""Chunked KDA backward: five kernels after a recompute (KDA_SPEC sections 3 and 4).
+"""Chunked KDA backward: five kernels after a recompute (docs/kda.md sections 3 and 4).
 
 The kernels see the *transformed* inputs (L2 norm, gate and beta transforms
 are applied and differentiated in JAX by the caller, kda_jax.triton.backward):

@@ -1,4 +1,4 @@
-"""Chunked KDA forward in two kernels (KDA_SPEC section 3).
+"""Chunked KDA forward in two kernels (docs/kda.md section 3).
 
 ``kda_fwd_prepare_kernel`` (chunk-parallel, grid (chunks, HV)) applies the input
 transforms, the chunk-local gate cumsum, the intra-chunk products and the

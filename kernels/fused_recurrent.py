@@ -1,4 +1,4 @@
-"""Token-by-token KDA (KDA_SPEC section 1): the decode kernel.
+"""Token-by-token KDA (docs/kda.md section 1): the decode kernel.
 
 ``kda_fused_recurrent_kernel`` (grid (V-blocks, HV, sequences)) walks one
 sequence's tokens in order for one value head and one V block, with the float32
@@ -143,10 +143,8 @@ def _recurrent_sequence(
     p_o = o + (t0 * HV + i_hv) * V + o_v
 
     # A software-pipelined loop: the next token's loads are issued before this
-    # token's update. With bounds loaded from metadata (a serving decode, pool
-    # or not) the plain loop was 28 % slower than the uniform form (H200, 256
-    # one-token sequences, H = 32, from one PyTorch process: 344 -> 282 us
-    # with this loop; fla's serving decode 289-294; the dense form unchanged).
+    # token's update, which hides the latency of loads that wait on bounds
+    # read from metadata (docs/tuning.md, decode).
     for _ in tl.range(0, eos - bos, num_stages=LOOP_STAGES):
         b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32)
         b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
@@ -168,11 +166,9 @@ def _recurrent_sequence(
             # (one round of cross-warp partial sums): with S' = d * S (d =
             # exp(g)), k @ S' = (d k) @ S and q @ (S' + k u) = (d q) @ S +
             # (q . k) u, so the update waits on one reduction, not two in a
-            # row (H200, dense decode of 256 one-token sequences: 64 x 4 tiles
-            # 0.291 -> 0.267-0.269 ms, 32 x 4 0.270-0.272 -> 0.268-0.274; fla's
-            # 0.275, session 11). With bounds loaded from metadata the same
-            # form lost the pipelined loop's gain (pool form 0.282 -> 0.378 ms
-            # at 32 x 4), so that form keeps the reductions in sequence.
+            # row. With bounds loaded from metadata this form loses the
+            # pipelined loop's gain, so that form keeps the reductions in
+            # sequence (docs/tuning.md, decode).
             b_d = tl.exp(b_g)
             b_kh, b_qh = tl.reduce((b_h * (b_k * b_d)[:, None], b_h * (b_q * b_d)[:, None]), 0,
                                    _add_pair)

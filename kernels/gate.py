@@ -1,5 +1,5 @@
 """The log-decay numerics shared by every kernel: the in-kernel gate, its
-floor, and the non-finite checks (KDA_SPEC section 2; the same formulas as
+floor, and the non-finite checks (docs/kda.md section 2; the same formulas as
 kda_jax.transforms, which documents why they are written this way).
 
   softplus form:  g = -exp(min(A_log + log_softplus(x), log(-GATE_FLOOR)))

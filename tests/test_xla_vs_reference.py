@@ -3,7 +3,7 @@
 A covering set of cases, not the cartesian product: awkward shapes (T not a
 multiple of the chunk, K/V not powers of two, HV = H/2H/4H, B > 1), every
 flag, fp32/bf16/fp16 inputs. The reference itself is checked against a
-float64 NumPy transcription of KDA_SPEC sections 1-2 that shares no code with
+float64 NumPy transcription of docs/kda.md sections 1-2 that shares no code with
 the library (the reference and the XLA path share kda_jax.transforms).
 """
 
@@ -214,7 +214,7 @@ def _spec_kda_f64(q, k, v, g, beta, *, scale=None, initial_state=None,
                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
                   dt_bias=None, lower_bound=None, use_beta_sigmoid_in_kernel=False,
                   allow_neg_eigval=False, state_v_first=False, cu_seqlens=None):
-    """KDA_SPEC sections 1-2 in float64 loops; returns (o, final in the state layout)."""
+    """docs/kda.md sections 1-2 in float64 loops; returns (o, final in the state layout)."""
     f64 = lambda a: np.asarray(np.asarray(a, np.float32), np.float64)
     q, k, v, g, beta = map(f64, (q, k, v, g, beta))
     b, t, h, kd = q.shape
