@@ -32,10 +32,7 @@ import numpy as np
 
 from bench import meta as run_meta
 from bench.inputs import make, serving_length_sets
-
-
-def _pow2(n):
-    return 1 << max(int(n) - 1, 0).bit_length()
+from kda_jax.bounds import next_pow2
 
 
 def kda_rows(a, sets) -> list[dict]:
@@ -48,7 +45,7 @@ def kda_rows(a, sets) -> list[dict]:
     from kda_jax import bounds as host_bounds
 
     h, d, impl, rows = a.heads, a.head_dim, a.kda_impl, []
-    bucket = kda_jax.Bucket(_pow2(max(map(len, sets))), _pow2(max(map(sum, sets))))
+    bucket = kda_jax.Bucket(next_pow2(max(map(len, sets))), next_pow2(max(map(sum, sets))))
     arrays = make(1, bucket.max_tokens, h, d, d)
     x = tuple(jnp.asarray(y, jnp.bfloat16 if i < 3 else jnp.float32)
               for i, y in enumerate(arrays))

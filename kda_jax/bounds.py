@@ -32,6 +32,7 @@ __all__ = [
     "bucketed_metadata",
     "check_bucketed_metadata",
     "most_chunks",
+    "next_pow2",
 ]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -361,7 +362,8 @@ def most_chunks(max_seqs: int, max_tokens: int, chunk_size: int) -> int:
     return k + (max_tokens - k) // chunk_size
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): bucket sizes and kernel tiles."""
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
@@ -442,8 +444,8 @@ class Bucket:
             )
         fix = "pass a positive int"
         return cls(
-            max_seqs=_pow2(max(bounds.num_seqs, _positive_int(min_seqs, "min_seqs", fix))),
-            max_tokens=_pow2(max(bounds.total_tokens,
+            max_seqs=next_pow2(max(bounds.num_seqs, _positive_int(min_seqs, "min_seqs", fix))),
+            max_tokens=next_pow2(max(bounds.total_tokens,
                                  _positive_int(min_tokens, "min_tokens", fix))),
             chunk_size=chunk_size,
         )

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax import configs, transforms
-from kda_jax.bounds import SeqBounds, chunk_table, packed_metadata
+from kda_jax.bounds import SeqBounds, chunk_table, next_pow2, packed_metadata
 from kda_jax.configs import BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward import (KernelLaunch, chunk_kda_triton, forward_launches,
@@ -40,10 +40,6 @@ from kda_jax.triton.forward_only import unbatchable
 from kda_jax.triton.launch import dot_code, interpret_mode, kernels, launch, stand_in
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -77,8 +73,8 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     # The config's *_fp32 values apply with float32 intermediates (None: as 16-bit).
     fp32 = lambda value, fp32_value: (value if sixteen_bit or fp32_value is None
                                       else fp32_value)
-    bk_state = _pow2(max(kd, 16))
-    bv_state = min(_pow2(max(vd, 16)), config.state_block_v)
+    bk_state = next_pow2(max(kd, 16))
+    bv_state = min(next_pow2(max(vd, 16)), config.state_block_v)
     # Past K = 128 the pipelined [BT, K] tiles outgrow shared memory (as forward).
     state_stages = (fp32(config.state_stages, config.state_stages_fp32)
                     if bk_state <= 128 else 1)
@@ -87,7 +83,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     # the reverse pass too unless the config says otherwise.
     split = split_state_k(work, kd)
     split_rev = split and config.dstate_split_k
-    block = lambda n, cap: min(_pow2(max(n, 16)), cap)
+    block = lambda n, cap: min(next_pow2(max(n, 16)), cap)
     dot_a = dot_code(config.product_dot)
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kda_jax import pool as state_pool
+from kda_jax.bounds import next_pow2
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import ForwardConfig
 from kda_jax.options import KdaOptions
@@ -29,10 +30,6 @@ __all__ = ["KernelLaunch", "chunk_kda_triton", "chunk_kda_triton_serving", "forw
 
 # Position of h0 (the pool, when there is one) among the state kernel's arguments.
 _STATE_H0_ARG = 6
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def work_dtype(input_dtype, *, interpret: bool = False):
@@ -54,7 +51,7 @@ def split_state_k(work, kd: int) -> bool:
     they spilled 264-1188 bytes on sm90 at every V block (16, 32), warp count
     (4, 8) and stage count (1, 2) tried; in K halves they compile without
     spills (kda_jax.aot). 16-bit intermediates keep one tile (unchanged code)."""
-    return jnp.dtype(work).itemsize != 2 and _pow2(max(kd, 16)) >= 128
+    return jnp.dtype(work).itemsize != 2 and next_pow2(max(kd, 16)) >= 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +80,15 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     bt = opts.chunk_size
     sixteen_bit = jnp.dtype(work).itemsize == 2
     # The state kernel's wide tiles: K > 128 or float32 intermediates.
-    wide = _pow2(kd) > 128 or not sixteen_bit
+    wide = next_pow2(kd) > 128 or not sixteen_bit
     _wide = lambda narrow, wide_value: wide_value if wide and wide_value is not None else narrow
     prepare = KernelLaunch(
         kernel="kda_fwd_prepare_kernel",
         constexprs=dict(
             H=h, HV=hv, K=kd, V=vd, BT=bt,
-            BK=min(_pow2(kd), config.prepare_block_k if sixteen_bit or config.fp32_block_k is None
+            BK=min(next_pow2(kd), config.prepare_block_k if sixteen_bit or config.fp32_block_k is None
                    else config.fp32_block_k),
-            BV=min(_pow2(vd), 64),
+            BV=min(next_pow2(vd), 64),
             SCALE=float(opts.scale),
             USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
             HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
@@ -111,8 +108,8 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     state = KernelLaunch(
         kernel="kda_fwd_state_output_kernel",
         constexprs=dict(
-            HV=hv, K=kd, V=vd, BT=bt, BK=_pow2(max(kd, 16)) // (2 if split else 1),
-            BV=min(_pow2(vd), _wide(config.state_block_v, config.state_block_v_wide)),
+            HV=hv, K=kd, V=vd, BT=bt, BK=next_pow2(max(kd, 16)) // (2 if split else 1),
+            BV=min(next_pow2(vd), _wide(config.state_block_v, config.state_block_v_wide)),
             USE_INITIAL_STATE=has_initial_state or indexed_state,
             STORE_FINAL_STATE=opts.output_final_state or indexed_state,
             STATE_V_FIRST=opts.state_v_first,
@@ -127,7 +124,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         # With K > 128 the pipelined [BT, K] tiles of w, qg and kt outgrow an
         # H200's 227 KiB of shared memory at two stages (measured: 232 KiB).
         num_stages=(_wide(config.state_stages, config.state_stages_wide)
-                    if _pow2(kd) <= 128 else 1),
+                    if next_pow2(kd) <= 128 else 1),
     )
     return prepare, state
 

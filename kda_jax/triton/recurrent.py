@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kda_jax import pool as state_pool
+from kda_jax.bounds import next_pow2
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
@@ -29,10 +30,6 @@ KERNEL = "kda_fused_recurrent_kernel"
 _META_CHUNK = 64
 # Position of h0 (the pool, when there is one) among the kernel's arguments.
 _H0_ARG = 7
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -52,8 +49,8 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         block_v = config.block_v
     return dict(
         H=h, HV=hv, K=kd, V=vd,
-        BK=_pow2(max(kd, 16)),
-        BV=min(_pow2(max(vd, 8)), block_v),
+        BK=next_pow2(max(kd, 16)),
+        BV=min(next_pow2(max(vd, 8)), block_v),
         SCALE=float(opts.scale),
         USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
         HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
