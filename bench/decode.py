@@ -30,7 +30,7 @@ import statistics
 import sys
 
 from bench import meta as run_meta
-from bench.inputs import make
+from bench.inputs import add_step_arguments, make
 
 FORMS = ("dense", "pool")
 
@@ -205,12 +205,7 @@ def main(argv=None):
     p.add_argument("--sizes", default="256,1024", help="comma-separated N")
     p.add_argument("--rounds", type=int, default=0,
                    help="alternating rounds with fla at the first size (0: none)")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--kda-impl", default="triton", choices=("triton", "xla"))
-    p.add_argument("--no-fla", action="store_true")
+    add_step_arguments(p)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     a.sizes = [int(x) for x in a.sizes.split(",")]

@@ -35,3 +35,14 @@ def serving_length_sets(base, count, seed=0, jitter=64):
         if len(out) == count:
             return out
     raise ValueError(f"could not draw {count} distinct length sets from {base.tolist()}")
+
+
+def add_step_arguments(p):
+    """The command-line options the serving and decode benchmarks share: timing repeats,
+    heads and head size, kda_jax's implementation, and whether fla's columns run."""
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kda-impl", default="triton", choices=("triton", "xla"))
+    p.add_argument("--no-fla", action="store_true")

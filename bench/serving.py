@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from bench import meta as run_meta
-from bench.inputs import make, serving_length_sets
+from bench.inputs import add_step_arguments, make, serving_length_sets
 from kda_jax.bounds import next_pow2
 
 
@@ -158,12 +158,7 @@ def main(argv=None):
     p.add_argument("--static-sets", type=int, default=16, help="sets the static form compiles")
     p.add_argument("--lengths", default=None,
                    help="comma-separated lengths of the step (default: SERVING_LENGTHS)")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--kda-impl", default="triton", choices=("triton", "xla"))
-    p.add_argument("--no-fla", action="store_true")
+    add_step_arguments(p)
     a = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
     from kda_jax.testing import SERVING_LENGTHS
