@@ -48,7 +48,9 @@ for stage in "${stages[@]}"; do
     tests)
       timeout "$limit" python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \
         tests/test_state_pool.py tests/test_bucketed.py tests/test_triton_grad.py \
-        tests/test_example_train.py -q -ra -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+        tests/test_gate_extremes.py tests/test_nonfinite.py tests/test_forward_only.py \
+        tests/test_pool_indices.py tests/test_example_train.py \
+        -q -ra -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
       tail -25 "$OUT/pytest_gpu.log" ;;
     forward)
       timeout "$limit" python3 -m bench.forward --impls "$impls" ${SHAPES:+--shapes "$SHAPES"} \
