@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import os
 
+# Four host CPU devices, so that the sharding tests (shard_map, sharded jit,
+# context parallel) run on any machine; XLA reads this when the CPU backend
+# starts, so it must precede the first use of jax. Single-device tests are
+# unaffected: arrays live on the first device unless placed.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+
 import jax
 import numpy as np
 import pytest
