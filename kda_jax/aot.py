@@ -645,7 +645,7 @@ def _source_hashes() -> dict:
     import importlib.util
 
     out = {}
-    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.kernels.state_io",
+    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.kernels.common", "kda_jax.kernels.state_io",
                 "kda_jax.kernels.varlen", "kda_jax.kernels.gate", "kda_jax.configs",
                 "kda_jax.triton.forward",
                 "kda_jax.kernels.fused_recurrent", "kda_jax.triton.recurrent",

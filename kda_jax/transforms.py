@@ -1,8 +1,9 @@
 """The optional input transforms of KDA (docs/kda.md section 2), in float32 jax.numpy.
 
 Shared by the reference, the XLA path and the Triton backward (which
-differentiates them); the kernels implement the same formulas in-kernel
-(``kernels/gate.py``).
+differentiates them). The kernels compute the same formulas with the same
+constants in Triton (``kernels/gate.py``, whose docstring lists the two side
+by side; tests/test_gate_forms.py checks that they agree).
 
 Numerics of the log-decay. A per-token log-decay below about -103.3 already
 gives exp(g) == 0 in float32, so every path floors the log-decay it uses at

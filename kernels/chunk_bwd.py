@@ -52,21 +52,10 @@ error relative to themselves, not to |G|.
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (ANCHOR_SPAN, _anchor_rows, _dot, _g_rows, _g_tile, _row_of,
-                        _suffix_exponent, _tile)
+from .common import (anchor_rows, anchored_ok, chunk_rows, col_of, dot, g_rows, g_tile, row_of,
+                     suffix_exponent, tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
-from .varlen import chunk_span, seq_chunks, seq_span
-
-
-@triton.jit
-def _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT: tl.constexpr):
-    """Rows of chunk-table entry i_c: (first row t0, rows in the chunk n_rows,
-    o_t = 0..BT-1, rows = t0 + o_t, the mask o_t < n_rows, rows as int64)."""
-    t0, eos = chunk_span(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
-    n_rows = tl.minimum(eos - t0, BT)
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    return t0, n_rows, o_t, rows, o_t < n_rows, rows.to(tl.int64)
+from .varlen import seq_chunks, seq_span
 
 
 @triton.jit
@@ -75,22 +64,10 @@ def _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT: tl.constexpr, HV: tl.c
     """(G [BT, BK], its anchor row, its last row) over the K slice o_k, from
     the recompute's G scratch gc [T, HV, K] (no cumsum here); rows past the
     sequence repeat the last row, as a cumsum over them would."""
-    r_anchor, r_last = _anchor_rows(t0, n_rows, BT)
-    b_A, b_last = _g_rows(gc, r_anchor, r_last, i_hv * K, o_k, m_k, n_rows, HV, K)
+    r_anchor, r_last = anchor_rows(t0, n_rows, BT)
+    b_A, b_last = g_rows(gc, r_anchor, r_last, i_hv * K, o_k, m_k, n_rows, HV, K)
     p_tk = rows.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    return _g_tile(gc, p_tk, m_t, m_k, b_last), b_A, b_last
-
-
-@triton.jit
-def _g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
-    """The log-decays g [BT, BK] (float32; 0 on rows past the sequence)."""
-    return _tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
-
-
-@triton.jit
-def _col_of(b_x, o_t, j):
-    """Column j of a [BT, BT] tile as a [BT] vector."""
-    return tl.sum(tl.where(o_t[None, :] == j, b_x, 0.), axis=1)
+    return g_tile(gc, p_tk, m_t, m_k, b_last), b_A, b_last
 
 
 @triton.jit
@@ -137,17 +114,17 @@ def kda_bwd_state_kernel(
         b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
         b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
-        b_vn = b_u - _dot(b_w, b_h.to(b_w.dtype), DOT)
+        b_vn = b_u - dot(b_w, b_h.to(b_w.dtype), DOT)
         if SPLIT_K:
             b_w = tl.load(w + BK + p_k, mask=m_tk1, other=0.)
-            b_vn -= _dot(b_w, b_h1.to(b_w.dtype), DOT)
+            b_vn -= dot(b_w, b_h1.to(b_w.dtype), DOT)
         b_vnd = b_vn.to(b_w.dtype)
         tl.store(vn + p_v, b_vnd.to(vn.dtype.element_ty), mask=m_tv)
-        b_h = b_h * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
+        b_h = b_h * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
         if SPLIT_K:
             b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
             b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k1, mask=m_k1, other=0.)
-            b_h1 = b_h1 * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
+            b_h1 = b_h1 * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
 
 
 @triton.jit
@@ -202,41 +179,41 @@ def kda_bwd_dstate_kernel(
             m_tk1 = m_t[:, None] & m_k1[None, :]
             tl.store(dh + BK * V + p_h, b_dh1, mask=m_kv1)
             b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
-            b_dvn = _dot(b_kt, b_dh.to(b_kt.dtype), DOT)
+            b_dvn = dot(b_kt, b_dh.to(b_kt.dtype), DOT)
             b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
-            b_dvn += _dot(b_kt, b_dh1.to(b_kt.dtype), DOT)
+            b_dvn += dot(b_kt, b_dh1.to(b_kt.dtype), DOT)
             b_at = tl.load(aqk + (r64 * HV + i_hv)[None, :] * BT + o_t[:, None],
                            mask=m_t[None, :], other=0.)
             b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_at.dtype)
-            b_dvn += _dot(b_at, b_do, DOT)
+            b_dvn += dot(b_at, b_do, DOT)
             b_dvnd = b_dvn.to(b_kt.dtype)
             tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
             b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
             b_qgt = tl.load(qg + p_kt, mask=m_kt, other=0.)
-            b_dh = b_dh * b_gl[:, None] + _dot(b_qgt, b_do, DOT)
+            b_dh = b_dh * b_gl[:, None] + dot(b_qgt, b_do, DOT)
             b_wt = tl.load(w + p_kt, mask=m_kt, other=0.)
-            b_dh -= _dot(b_wt, b_dvnd, DOT)
+            b_dh -= dot(b_wt, b_dvnd, DOT)
             b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k1, mask=m_k1, other=0.)
             b_qgt = tl.load(qg + BK + p_kt, mask=m_kt1, other=0.)
-            b_dh1 = b_dh1 * b_gl[:, None] + _dot(b_qgt, b_do, DOT)
+            b_dh1 = b_dh1 * b_gl[:, None] + dot(b_qgt, b_do, DOT)
             b_wt = tl.load(w + BK + p_kt, mask=m_kt1, other=0.)
-            b_dh1 -= _dot(b_wt, b_dvnd, DOT)
+            b_dh1 -= dot(b_wt, b_dvnd, DOT)
         else:
             # Each [BT, K] tile is loaded just before its product, so that one
             # at a time is live (K = 256 and float32 tiles are tight in registers).
             b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
                           mask=m_t[:, None], other=0.)
             b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_a.dtype)
-            b_dvn = _dot(tl.trans(b_a), b_do, DOT)
+            b_dvn = dot(tl.trans(b_a), b_do, DOT)
             b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
-            b_dvn += _dot(b_kt, b_dh.to(b_kt.dtype), DOT)
+            b_dvn += dot(b_kt, b_dh.to(b_kt.dtype), DOT)
             b_dvnd = b_dvn.to(b_kt.dtype)
             tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
             b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
             b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
-            b_dh = b_dh * b_gl[:, None] + _dot(tl.trans(b_qg), b_do, DOT)
+            b_dh = b_dh * b_gl[:, None] + dot(tl.trans(b_qg), b_do, DOT)
             b_w = tl.load(w + p_k, mask=m_tk, other=0.)
-            b_dh -= _dot(tl.trans(b_w), b_dvnd, DOT)
+            b_dh -= dot(tl.trans(b_w), b_dvnd, DOT)
 
     store_state(dh0, b_dh, dh0, 0, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_INITIAL_GRAD, False)
     if SPLIT_K:
@@ -259,7 +236,7 @@ def kda_bwd_inter_kernel(
     kernel hands to every row of the chunk."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+    t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
                                                   n_tokens, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -282,16 +259,16 @@ def kda_bwd_inter_kernel(
         b_h = tl.load(h + p_h, mask=m_kv, other=0.)
         b_dh = tl.load(dh + p_h, mask=m_kv, other=0.)
         b_hd = b_h.to(b_vn.dtype)
-        b_dqg += _dot(b_do, tl.trans(b_hd), DOT)
-        b_dw -= _dot(b_dvn, tl.trans(b_hd), DOT)
-        b_dkt += _dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), DOT)
+        b_dqg += dot(b_do, tl.trans(b_hd), DOT)
+        b_dw -= dot(b_dvn, tl.trans(b_hd), DOT)
+        b_dkt += dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), DOT)
         b_dgl += tl.sum(b_dh * b_h, axis=1)
 
     b_G, _, b_last = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
-    b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
-    b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
+    b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
+    b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_eg = tl.exp(b_G)
-    b_et = tl.exp(_suffix_exponent(_g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)))
+    b_et = tl.exp(suffix_exponent(tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)))
     b_kt = b_k * b_et
     b_dq = b_dqg * b_eg * SCALE
     b_dk = b_dkt * b_et
@@ -321,14 +298,14 @@ def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
     b_dG = tl.zeros([BT, BK], dtype=tl.float32)
     b_p = tl.zeros([BT, BK], dtype=tl.float32)
     for j in range(0, n_rows):
-        b_kj = _row_of(b_k, o_t, j)
+        b_kj = row_of(b_k, o_t, j)
         m_i = o_t[:, None] >= j
         b_d = tl.cumsum(tl.where(o_t[:, None] > j, b_g, 0.), axis=0)
         b_e = tl.where(m_i, tl.exp(tl.where(m_i, b_d, 0.)), 0.)
         b_ke = b_e * b_kj[None, :]
-        a_l = _col_of(b_dl, o_t, j)
-        a_k = _col_of(b_dakk, o_t, j)
-        a_q = _col_of(b_daqs, o_t, j)
+        a_l = col_of(b_dl, o_t, j)
+        a_k = col_of(b_dakk, o_t, j)
+        a_q = col_of(b_daqs, o_t, j)
         b_p += a_l[:, None] * b_ke
         b_dq += a_q[:, None] * b_ke
         b_src = a_k[:, None] * b_k + a_q[:, None] * b_q
@@ -344,11 +321,11 @@ def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
 def _dot_16(a, b, DOT: tl.constexpr):
     """a @ b, float32 accumulate: a native 16-bit product when a and b are
     16-bit of one type (their products are exact in float32), else in float32
-    at precision DOT (as chunk_fwd._dot)."""
+    at precision DOT (as common.dot)."""
     if a.dtype == b.dtype and a.dtype.primitive_bitwidth == 16:
         return tl.dot(a, b)
     else:
-        return _dot(a.to(tl.float32), b.to(tl.float32), DOT)
+        return dot(a.to(tl.float32), b.to(tl.float32), DOT)
 
 
 @triton.jit
@@ -374,11 +351,11 @@ def kda_bwd_wy_kernel(
     M = dv_new u^T + dw w^T (strictly lower) and scale * dAqk, both stored
     [T, HV, BT] fp32 for the products kernel. Only X^T is needed (loaded
     transposed); w and u are the recompute's. DOT_X: the precision of the
-    dots with X^T and of dw w^T, as chunk_fwd._dot (fp32-grade: "ieee" or
+    dots with X^T and of dw w^T, as common.dot (fp32-grade: "ieee" or
     "tf32x3"); do v_new^T and dv_new u^T multiply 16-bit intermediates
     natively (exact products) and take DOT_X only for float32 ones."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+    t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
                                                   n_tokens, BT)
     i_h = i_hv // (HV // H)
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
@@ -407,7 +384,7 @@ def kda_bwd_wy_kernel(
         b_u = tl.load(u + p_v, mask=m_tv, other=0.)
         b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.)
         b_m += _dot_16(b_dvn, tl.trans(b_u), DOT_X)
-        b_dvb = _dot(_x_transposed(x, p_tt, m_t), b_dvn.to(tl.float32), DOT_X)
+        b_dvb = dot(_x_transposed(x, p_tt, m_t), b_dvn.to(tl.float32), DOT_X)
         tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_db += tl.sum(b_dvb * b_v, axis=1)
@@ -420,35 +397,20 @@ def kda_bwd_wy_kernel(
         p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.)
-        b_m += _dot(b_dw, tl.trans(b_w), DOT_X)
-        b_dB = _dot(_x_transposed(x, p_tt, m_t), b_dw, DOT_X)
+        b_m += dot(b_dw, tl.trans(b_w), DOT_X)
+        b_dB = dot(_x_transposed(x, p_tt, m_t), b_dw, DOT_X)
         b_G, _, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
         b_eg = tl.exp(b_G)
-        b_keg = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_eg
+        b_keg = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_eg
         b_db += tl.sum(b_dB * b_keg, axis=1)
         b_dk = tl.load(dk_p + p_tk, mask=m_tk, other=0.) + b_dB * b_b[:, None] * b_eg
         b_dG = tl.load(dg_p + p_tk, mask=m_tk, other=0.) + b_dB * b_keg * b_b[:, None]
         tl.store(dk_w + p_tk, b_dk, mask=m_tk)
         tl.store(dg_w + p_tk, b_dG, mask=m_tk)
 
-    b_dl = _dot(_x_transposed(x, p_tt, m_t), b_m, DOT_X)
+    b_dl = dot(_x_transposed(x, p_tt, m_t), b_m, DOT_X)
     tl.store(dl + p_tt, tl.where(o_t[:, None] > o_t[None, :], -b_dl, 0.), mask=m_t[:, None])
     tl.store(dbeta + r64 * HV + i_hv, b_db, mask=m_t)
-
-
-@triton.jit
-def _anchored_ok(gc, t0, n_rows, i_hv, BT: tl.constexpr, BK: tl.constexpr, HV: tl.constexpr,
-                 K: tl.constexpr):
-    """Whether every channel's decay within the chunk allows the anchored
-    products (factors within e^(+-ANCHOR_SPAN)): one test for the chunk, so
-    one reduction across the program."""
-    r_anchor, r_last = _anchor_rows(t0, n_rows, BT)
-    b_span = tl.zeros([BK], dtype=tl.float32)
-    for ks in tl.static_range(0, K, BK):
-        o_k = ks + tl.arange(0, BK)
-        b_A, b_last = _g_rows(gc, r_anchor, r_last, i_hv * K, o_k, o_k < K, n_rows, HV, K)
-        b_span = tl.maximum(b_span, tl.maximum(-b_A, b_A - b_last))
-    return tl.max(b_span, axis=0) <= ANCHOR_SPAN
 
 
 @triton.jit
@@ -471,20 +433,21 @@ def kda_bwd_intra_kernel(
     split-precision product (bf16x3) holds each operand twice."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    t0, n_rows, o_t, rows, m_t, r64 = _chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+    t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
                                                   n_tokens, BT)
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
     m_tt = m_t[:, None]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
-    fast = _anchored_ok(gc, t0, n_rows, i_hv, BT, BK, HV, K)
+    r_anchor, r_last = anchor_rows(t0, n_rows, BT)
+    fast = anchored_ok(gc, r_anchor, r_last, i_hv * K, n_rows, HV, K, BK)
 
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     b_G, b_A, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
-    b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K)
-    b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K)
+    b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
+    b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
     b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
     b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
@@ -496,23 +459,23 @@ def kda_bwd_intra_kernel(
         b_qr = b_q * b_er
         # Each product consumed at once (short live ranges).
         b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
-        b_p = _dot(b_dl, b_kc, DOT_A)
+        b_p = dot(b_dl, b_kc, DOT_A)
         b_db = tl.sum(b_p * b_kr, axis=1)
         b_p = b_p * b_b[:, None]
         b_dk += b_p * b_er
         b_dG += b_p * b_kr
-        b_dkc = _dot(tl.trans(b_dl * b_b[:, None]), b_kr, DOT_A)
+        b_dkc = dot(tl.trans(b_dl * b_b[:, None]), b_kr, DOT_A)
         b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
-        b_dqr = _dot(b_daqs, b_kc, DOT_A)
+        b_dqr = dot(b_daqs, b_kc, DOT_A)
         b_dq += b_dqr * b_er
         b_dG += b_dqr * b_qr
-        b_dkc += _dot(tl.trans(b_daqs), b_qr, DOT_A)
+        b_dkc += dot(tl.trans(b_daqs), b_qr, DOT_A)
         b_dk += b_dkc * b_ec
         b_dG -= b_dkc * b_kc
     else:
         b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
         b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
-        b_g = _g_step_tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+        b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
         e_dq, e_dk, e_dG, e_p = _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dl * b_b[:, None],
                                                     b_daqs, o_t, n_rows, BT, BK)
         b_db = tl.sum(e_p * b_k, axis=1)

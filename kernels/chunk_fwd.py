@@ -23,58 +23,21 @@ arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 
 The prepare kernel works on whole-chunk tiles [BT, BK]. Every exponent of a
 decay factor is bounded: the intra-chunk products anchor on the middle row of
-the chunk (factors within e^(+-ANCHOR_SPAN)) and fall back to exact pairwise
-exponents, column by column, for a chunk whose gates are steeper; there the
-exponents are partial sums of the log-decays (floored at GATE_FLOOR,
-kernels/gate.py), so their error is relative to themselves, not to |G|.
+the chunk (factors within e^(+-ANCHOR_SPAN): kernels/common.py, anchored_ok)
+and fall back to exact pairwise exponents, column by column, for a chunk
+whose gates are steeper; there the exponents are partial sums of the
+log-decays (floored at GATE_FLOOR, kernels/gate.py), so their error is
+relative to themselves, not to |G|.
 """
 
 import triton
 import triton.language as tl
 
+from .common import (anchor_rows, anchored_ok, chunk_rows, dot, g_rows, g_tile, row_of,
+                     store_zero_rows, suffix_exponent, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state
-from .varlen import chunk_span, seq_chunks, seq_span
-
-
-# A K slice takes the anchored (matrix-product) path while every channel's
-# decay factor relative to the chunk's middle row stays within e^(+-60):
-# products of such factors with O(1) keys stay far inside float32.
-ANCHOR_SPAN = tl.constexpr(60.0)
-
-
-@triton.jit
-def _dot(a, b, DOT: tl.constexpr):
-    """a @ b, float32 accumulate. DOT indexes kda_jax.configs.DOT_MODES:
-    0 = fp32 "ieee", 1 = "tf32x3" (NVIDIA: three tf32 products, about fp32
-    accuracy), 2 = "tf32", 3 = operands rounded to bf16, 4 = "bf16x3" (three
-    bf16 products of a two-term split, about 1e-5 relative), 5 = "bf16x6"
-    (six products of a three-term split, about fp32 accuracy)."""
-    if DOT == 1:
-        return tl.dot(a, b, input_precision="tf32x3")
-    elif DOT == 2:
-        return tl.dot(a, b, input_precision="tf32")
-    elif DOT == 3:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    elif DOT == 4:
-        return tl.dot(a, b, input_precision="bf16x3")
-    elif DOT == 5:
-        return tl.dot(a, b, input_precision="bf16x6")
-    else:
-        return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _tile(x, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
-    """Rows ``rows`` of head ``i_h`` of x [T, H, K], columns o_k, as float32."""
-    p = x + (rows.to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]
-    return tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float32)
-
-
-@triton.jit
-def _row_of(b_x, o_t, j):
-    """Row j of a [BT, N] tile as an [N] vector."""
-    return tl.sum(tl.where(o_t[:, None] == j, b_x, 0.), axis=0)
+from .varlen import seq_chunks, seq_span
 
 
 @triton.jit
@@ -92,9 +55,9 @@ def _inv_norm(x, rows, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.conste
 
 @triton.jit
 def _tile_checked(x, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
-    """As _tile, with non-finite entries replaced by 0; also returns which
+    """As common.tile, with non-finite entries replaced by 0; also returns which
     rows held one ([BT] int1)."""
-    b_x = _tile(x, rows, m_t, i_h, o_k, m_k, H, K)
+    b_x = tile(x, rows, m_t, i_h, o_k, m_k, H, K)
     b_bad = nonfinite(b_x)
     return tl.where(b_bad, 0., b_x), tl.max(b_bad.to(tl.int32), axis=1) > 0
 
@@ -129,7 +92,7 @@ def _pairwise_product(b_out, b_a, b_k, b_g, o_t, n_rows):
     tile live); G_i - G_j is summed from the log-decays b_g of rows j + 1 .. i
     (a partial sum: exact for any gate, however large G)."""
     for j in range(0, n_rows):
-        b_kj = _row_of(b_k, o_t, j)
+        b_kj = row_of(b_k, o_t, j)
         m_i = o_t[:, None] >= j
         b_d = tl.cumsum(tl.where(o_t[:, None] > j, b_g, 0.), axis=0)
         b_ke = tl.where(m_i, tl.exp(tl.where(m_i, b_d, 0.)), 0.)
@@ -139,50 +102,15 @@ def _pairwise_product(b_out, b_a, b_k, b_g, o_t, n_rows):
 
 
 @triton.jit
-def _suffix_exponent(b_g):
-    """G_last - G_i = sum of the log-decays after row i, from the [BT, BK]
-    log-decays: (reverse cumsum) - g, with error relative to |g_i| + the sum
-    (g_i >= GATE_FLOOR), not to |G|."""
-    return tl.cumsum(b_g, axis=0, reverse=True) - b_g
-
-
-@triton.jit
 def _anchored_product(b_a, b_k, b_G, b_A, DOT: tl.constexpr):
     """[BT, BT]: a_i . k_j e^(G_i - G_j) (garbage above the diagonal, masked
     by the caller), for one K slice, as one matrix product through the anchor
     A (b_A: the middle row's G): the row factor e^(G_i - A) and the column
     factor e^(A - G_j) each stay within e^(+-ANCHOR_SPAN) when the chunk's
-    gates allow it (see the fast test of the prepare kernel); otherwise
+    gates allow it (common.anchored_ok); otherwise
     _pairwise_product."""
     b_kc = b_k * tl.exp(b_A[None, :] - b_G)
-    return _dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
-
-
-@triton.jit
-def _anchor_rows(t0, n_rows, BT: tl.constexpr):
-    """(anchor row, last row) of a chunk, int64: the anchor is the middle row,
-    or the last one of a shorter chunk; rows past the sequence repeat the
-    last (they add no decay)."""
-    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
-    return r_anchor, (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
-
-
-@triton.jit
-def _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV: tl.constexpr, K: tl.constexpr):
-    """G's anchor row and last row over the K slice o_k, from the scratch gc
-    (zeros in a padded chunk, which has no rows)."""
-    m_kr = m_k & (o_k * 0 < n_rows)
-    b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
-    b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
-    return b_A, b_last
-
-
-@triton.jit
-def _g_tile(gc, p_tk, m_t, m_k, b_last):
-    """G [BT, BK] from the scratch gc; rows past the sequence repeat the last
-    row (they add no decay, and keep every anchored factor bounded)."""
-    b_G = tl.load(gc + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.)
-    return tl.where(m_t[:, None], b_G, b_last[None, :])
+    return dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
 
 
 # Diagonal block of the blocked inverse: a sweep of BB - 1 steps inverts all of
@@ -227,10 +155,10 @@ def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
     m_blk = b_blk_r[:, None] == b_blk_r[None, :]
     b_x = _diag_block_inverse(b_l, BT)
     if BT > BB:
-        b_m = _dot(b_x, tl.where(m_blk, 0., b_l), DOT_INV)
-        b_y = b_x - _dot(b_m, b_x, DOT_INV)
+        b_m = dot(b_x, tl.where(m_blk, 0., b_l), DOT_INV)
+        b_y = b_x - dot(b_m, b_x, DOT_INV)
         for _ in tl.static_range(BT // BB - 2):
-            b_y = b_x - _dot(b_m, b_y, DOT_INV)
+            b_y = b_x - dot(b_m, b_y, DOT_INV)
         b_x = b_y
     return b_x
 
@@ -262,13 +190,9 @@ def kda_fwd_prepare_kernel(
     are NaN, while earlier rows equal those of the inputs with zeros there."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    t0, eos = chunk_span(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT)
-    n_rows = tl.minimum(eos - t0, BT)
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    m_t = o_t < n_rows
-    r64 = rows.to(tl.int64)
-    r_anchor, r_last = _anchor_rows(t0, n_rows, BT)
+    t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens,
+                                                 BT)
+    r_anchor, r_last = anchor_rows(t0, n_rows, BT)
 
     # beta, transformed; rows past the sequence get 0 (no update).
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
@@ -307,14 +231,12 @@ def kda_fwd_prepare_kernel(
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         tl.store(gc + p_tk, b_G, mask=m_t[:, None] & m_k[None, :])
     tl.debug_barrier()  # G's rows, stored by every thread, read by all
-    b_span = tl.zeros([BK], dtype=tl.float32)
-    for ks in tl.static_range(0, K, BK):  # unrolled: the row loads go out together
+    fast = anchored_ok(gc, r_anchor, r_last, p_hk, n_rows, HV, K, BK)
+    for ks in tl.static_range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
-        b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
-        b_span = tl.maximum(b_span, tl.maximum(-b_A, b_A - b_last))
+        _, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
         tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
-    fast = tl.max(b_span, axis=0) <= ANCHOR_SPAN
 
     # Pass 1 over K slices: Aqk, q*exp(G)*scale and k*exp(G_last - G).
     # Aqk and Akk get a pass each, so only one [BT, BT] accumulator is live
@@ -327,13 +249,13 @@ def kda_fwd_prepare_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
-        b_G = _g_tile(gc, p_tk, m_t, m_k, b_last)
-        b_q = _tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
+        b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
+        b_G = g_tile(gc, p_tk, m_t, m_k, b_last)
+        b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
         # k unchecked here: a non-finite k_j reaches Aqk's column j only,
         # masked above the diagonal by a select, and kt's row j (the state
         # after the chunk, poisoned below); pass 2 checks it.
-        b_k = _tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
+        b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
         if fast:
             b_aqk += _anchored_product(b_q, b_k, b_G, b_A, DOT_A)
             b_sfx = b_last[None, :] - b_G
@@ -342,7 +264,7 @@ def kda_fwd_prepare_kernel(
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
             b_aqk = _pairwise_product(b_aqk, b_q, b_k, b_g, o_t, n_rows)
-            b_sfx = _suffix_exponent(b_g)
+            b_sfx = suffix_exponent(b_g)
         tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kt + p_tk, (b_k * tl.exp(b_sfx)).to(kt.dtype.element_ty), mask=m_tk)
     # Aqk, scaled, zero above the diagonal.
@@ -358,8 +280,8 @@ def kda_fwd_prepare_kernel(
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        b_A, b_last = _g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
-        b_G = _g_tile(gc, p_tk, m_t, m_k, b_last)
+        b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
+        b_G = g_tile(gc, p_tk, m_t, m_k, b_last)
         b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
         b_poison = b_poison | b_bad
         b_k = b_k * b_sk[:, None]
@@ -389,7 +311,7 @@ def kda_fwd_prepare_kernel(
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         b_kb = tl.load(w + p_tk, mask=m_tk, other=0.).to(tl.float32)
         tl.debug_barrier()  # every read of the slice before any write over it
-        tl.store(w + p_tk, _dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty), mask=m_tk)
+        tl.store(w + p_tk, dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty), mask=m_tk)
 
     # Pass 4: u = X (beta * v).
     for vs in range(0, V, BV):
@@ -400,7 +322,7 @@ def kda_fwd_prepare_kernel(
         b_bad = nonfinite(b_vb)
         b_poison = b_poison | (tl.max(b_bad.to(tl.int32), axis=1) > 0)
         b_vb = tl.where(b_bad, 0., b_vb) * b_b[:, None]
-        tl.store(u + p_tv, _dot(b_x, b_vb, DOT_WU).to(u.dtype.element_ty), mask=m_tv)
+        tl.store(u + p_tv, dot(b_x, b_vb, DOT_WU).to(u.dtype.element_ty), mask=m_tv)
 
     # Poison (rare: one test per chunk): NaN over Aqk's rows from the first
     # poisoning row on, and rows whose q was non-finite (o = qg h + Aqk v_new
@@ -455,11 +377,7 @@ def kda_fwd_state_output_kernel(
             o, ht, i_n, i_hv, bos, eos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
             STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, DOT, SPLIT_K)
     else:
-        b_zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
-        for t0 in range(bos, n_tokens, BT):
-            rows = t0 + o_t
-            p_v = (rows.to(tl.int64) * HV + i_hv)[:, None] * V + o_v[None, :]
-            tl.store(o + p_v, b_zero, mask=(rows < n_tokens)[:, None] & m_v[None, :])
+        store_zero_rows(o, bos, n_tokens, i_hv, o_v, m_v, HV, V, BT, BV)
 
 
 @triton.jit
@@ -498,14 +416,14 @@ def _state_output_sequence(
             m_tk1 = m_t[:, None] & m_k1[None, :]
             b_w = tl.load(w + p_k, mask=m_tk, other=0.)
             b_hd = b_h.to(b_w.dtype)
-            b_wh = _dot(b_w, b_hd, DOT)
+            b_wh = dot(b_w, b_hd, DOT)
             b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
-            b_o = _dot(b_qg, b_hd, DOT)
+            b_o = dot(b_qg, b_hd, DOT)
             b_hd = b_h1.to(b_w.dtype)
             b_w = tl.load(w + BK + p_k, mask=m_tk1, other=0.)
-            b_wh += _dot(b_w, b_hd, DOT)
+            b_wh += dot(b_w, b_hd, DOT)
             b_qg = tl.load(qg + BK + p_k, mask=m_tk1, other=0.)
-            b_o += _dot(b_qg, b_hd, DOT)
+            b_o += dot(b_qg, b_hd, DOT)
             b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
             b_vnd = (b_u - b_wh).to(b_w.dtype)
         else:
@@ -514,22 +432,22 @@ def _state_output_sequence(
             b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
             b_w = tl.load(w + p_k, mask=m_tk, other=0.)
             b_hd = b_h.to(b_w.dtype)
-            b_vnd = (b_u - _dot(b_w, b_hd, DOT)).to(b_w.dtype)
+            b_vnd = (b_u - dot(b_w, b_hd, DOT)).to(b_w.dtype)
             b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
-            b_o = _dot(b_qg, b_hd, DOT)
+            b_o = dot(b_qg, b_hd, DOT)
         b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
                       mask=m_t[:, None], other=0.)
-        b_o += _dot(b_a.to(b_w.dtype), b_vnd, DOT)
+        b_o += dot(b_a.to(b_w.dtype), b_vnd, DOT)
         tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
         b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
         b_gl = tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k,
                        mask=m_k, other=0.)
-        b_h = b_h * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
+        b_h = b_h * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
         if SPLIT_K:
             b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
             b_gl = tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k1,
                            mask=m_k1, other=0.)
-            b_h1 = b_h1 * b_gl[:, None] + _dot(tl.trans(b_kt), b_vnd, DOT)
+            b_h1 = b_h1 * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
 
     store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
                 INDEXED_STATE)

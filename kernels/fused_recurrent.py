@@ -38,6 +38,7 @@ in-kernel gate and sigmoid of kernels/gate.py, which never overflow.
 import triton
 import triton.language as tl
 
+from .common import store_zero_rows
 from .gate import gate, sigmoid
 from .state_io import load_state, state_offsets, store_state_row
 from .varlen import seq_span
@@ -92,12 +93,7 @@ def kda_fused_recurrent_kernel(
             UNIFORM, SEQ_LEN, LOOP_STAGES)
     else:
         # The tail program of a bucketed batch: o = 0 on rows [bos, n_tokens).
-        o_z = tl.arange(0, TAIL_ROWS)
-        b_zero = tl.zeros([TAIL_ROWS, BV], dtype=o.dtype.element_ty)
-        for t0 in range(bos, n_tokens, TAIL_ROWS):
-            rows = t0 + o_z
-            p_z = (rows.to(tl.int64) * HV + i_hv)[:, None] * V + o_v[None, :]
-            tl.store(o + p_z, b_zero, mask=(rows < n_tokens)[:, None] & m_v[None, :])
+        store_zero_rows(o, bos, n_tokens, i_hv, o_v, m_v, HV, V, TAIL_ROWS, BV)
 
 
 @triton.jit

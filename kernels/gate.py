@@ -1,11 +1,26 @@
 """The log-decay numerics shared by every kernel: the in-kernel gate, its
-floor, and the non-finite checks (docs/kda.md section 2; the same formulas as
-kda_jax.transforms, which documents why they are written this way).
+floor, and the non-finite checks (docs/kda.md section 2).
 
-  softplus form:  g = -exp(min(A_log + log_softplus(x), log(-GATE_FLOOR)))
+This is the Triton home of these formulas; kda_jax/transforms.py is the JAX
+one (the reference, the XLA path and the Triton backward's vjp use it). The
+two compute the same thing, function by function, with the same constants
+(tests/test_gate_forms.py checks both):
+
+  kernels/gate.py          kda_jax/transforms.py
+  log_softplus(x)          log_softplus(x)   log(log(1 + e^x)), finite for finite x
+  sigmoid(x)               jax.nn.sigmoid    through e^-|x|: no overflow
+  gate(x, A_log, ...)      gate(g, A_log, dt_bias, lower_bound), x = g + dt_bias
+  GATE_FLOOR               log_decay's floor
+
+  softplus form:  g = max(-exp(min(A_log + log_softplus(x), log(-GATE_FLOOR))), GATE_FLOOR)
   sigmoid form:   g = LOWER_BOUND * sigmoid(clamp(min(e^A_log, e^88) * x, -30, 30))
-  with x = g_raw + dt_bias; any log-decay is floored at GATE_FLOOR (exp == 0
-  in float32 below about -103.3).
+                  (without A_log: LOWER_BOUND * sigmoid(x))
+
+Where the two differ in the letter, not in the value: log(1 + y) is _log1p
+here (Triton has no portable log1p) and jnp.log1p there; the sigmoid form's
+clamp is a select there (so that its gradient is 0 outside, not NaN).
+Every log-decay a chunked kernel uses is floored at GATE_FLOOR (exp == 0 in
+float32 below about -103.3), as transforms.log_decay floors it.
 """
 
 import triton
@@ -57,7 +72,8 @@ def gate(b_x, b_alog, HAS_A_LOG: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
             b_x = tl.minimum(tl.maximum(b_x * b_a, -SIGMOID_ARG_CAP), SIGMOID_ARG_CAP)
         b_g = LOWER_BOUND * sigmoid(b_x)
     else:
-        b_g = -tl.exp(tl.minimum(b_alog + log_softplus(b_x), LOG_NEG_FLOOR))
+        b_g = tl.maximum(-tl.exp(tl.minimum(b_alog + log_softplus(b_x), LOG_NEG_FLOOR)),
+                         GATE_FLOOR)
     return b_g
 
 
