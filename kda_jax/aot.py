@@ -133,75 +133,10 @@ def _spec_options(spec: Spec):
     raise ValueError(f"unknown flag set {spec.flags!r}")
 
 
-# Runtime arguments of each kernel in order (constexprs excluded): "in" is the
-# inputs' dtype, "work" the intermediates' (forward.work_dtype), "i32" an
-# integer scalar; the rest are pointer types. Mirrors forward.py's launches.
-_ARGS = {
-    "kda_fwd_prepare_kernel": (
-        ("q", "in"), ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"),
-        ("A_log", "*fp32"), ("dt_bias", "*fp32"), ("meta", "*i32"),
-        ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"), ("n_tokens", "i32"),
-        ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
-        ("gl", "*fp32"), ("x", "*fp32"), ("gc", "*fp32"),
-    ),
-    "kda_fwd_state_output_kernel": (
-        ("w", "work"), ("u", "work"), ("qg", "work"), ("kt", "work"), ("aqk", "work"),
-        ("gl", "*fp32"), ("h0", "*fp32"), ("read_idx", "*i32"), ("write_idx", "*i32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("n_seqs", "i32"),
-        ("n_tokens", "i32"), ("n_chunk_rows", "i32"), ("slots", "i32"),
-        ("o", "in"), ("ht", "*fp32"),
-    ),
-}
-
-# The backward kernels' runtime arguments, as _ARGS ("in" also covers the
-# output's cotangent do; q, k, g, beta are the transformed inputs).
-_ARGS.update({
-    "kda_bwd_state_kernel": (
-        ("w", "work"), ("u", "work"), ("kt", "work"), ("gl", "*fp32"), ("h0", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"), ("n_tokens", "i32"),
-        ("n_chunk_rows", "i32"), ("h", "*fp32"), ("vn", "work"),
-    ),
-    "kda_bwd_dstate_kernel": (
-        ("qg", "work"), ("kt", "work"), ("w", "work"), ("aqk", "work"), ("gl", "*fp32"),
-        ("do", "in"), ("dht", "*fp32"), ("meta", "*i32"), ("off_cu", "i32"), ("off_co", "i32"),
-        ("n_tokens", "i32"), ("n_chunk_rows", "i32"),
-        ("dh", "*fp32"), ("dvn", "work"), ("dh0", "*fp32"),
-    ),
-    "kda_bwd_inter_kernel": (
-        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("g", "in"), ("h", "*fp32"), ("dh", "*fp32"),
-        ("vn", "work"),
-        ("dvn", "work"), ("do", "in"), ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"),
-        ("n_bounds", "i32"), ("n_tokens", "i32"),
-        ("dq", "*fp32"), ("dk", "*fp32"), ("dg", "*fp32"), ("dw", "*fp32"),
-    ),
-    "kda_bwd_wy_kernel": (
-        ("k", "in"), ("v", "in"), ("gc", "*fp32"), ("beta", "in"), ("x", "*fp32"), ("w", "work"),
-        ("u", "work"), ("vn", "work"), ("dvn", "work"), ("do", "in"), ("dk_p", "*fp32"),
-        ("dg_p", "*fp32"), ("dw", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"),
-        ("n_tokens", "i32"),
-        ("dv", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"), ("dl", "*fp32"),
-        ("daqk", "*fp32"), ("dbeta", "*fp32"),
-    ),
-    "kda_bwd_intra_kernel": (
-        ("q", "in"), ("k", "in"), ("gc", "*fp32"), ("g", "in"), ("beta", "in"), ("dl", "*fp32"),
-        ("daqk", "*fp32"), ("dq_p", "*fp32"), ("dk_w", "*fp32"), ("dg_w", "*fp32"),
-        ("meta", "*i32"), ("off_cu", "i32"), ("off_ct", "i32"), ("n_bounds", "i32"),
-        ("n_tokens", "i32"),
-        ("dq", "*fp32"), ("dk", "*fp32"), ("dg", "*fp32"), ("dbeta_k", "*fp32"),
-    ),
-})
-
-_ARGS["kda_fused_recurrent_kernel"] = (
-    ("q", "in"), ("k", "in"), ("v", "in"), ("g", "in"), ("beta", "in"),
-    ("A_log", "*fp32"), ("dt_bias", "*fp32"), ("h0", "*fp32"), ("read_idx", "*i32"),
-    ("write_idx", "*i32"), ("meta", "*i32"), ("off_cu", "i32"), ("n_seqs", "i32"),
-    ("n_tokens", "i32"), ("slots", "i32"), ("o", "in"), ("ht", "*fp32"),
-)
-
 # The backward's recompute is the forward's prepare kernel with STORE_X at the
-# backward config (kda_jax.triton.backward.recompute_launch).
-_ARGS["kda_bwd_recompute"] = _ARGS["kda_fwd_prepare_kernel"]
+# backward config (kda_jax.triton.backward.recompute_launch). Every other
+# kernel name is its function's; the functions' arguments and their kinds are
+# kda_jax.kernels.signatures'.
 _FUNCTION = {"kda_bwd_recompute": "kda_fwd_prepare_kernel"}
 
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -216,8 +151,7 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
     import dataclasses
 
     from kda_jax.configs import recurrent_config
-    from kda_jax.triton.forward import KernelLaunch
-    from kda_jax.triton.recurrent import recurrent_constexprs
+    from kda_jax.triton.recurrent import recurrent_launch
 
     opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
     if spec.flags == "default":
@@ -225,11 +159,11 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
         # kernel would compile to a form no decode loop launches.
         opts, has_h0 = dataclasses.replace(opts, output_final_state=True), True
     config = recurrent_config(target)
-    consts = recurrent_constexprs(
+    launch = recurrent_launch(
         h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config,
         has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0,
         indexed_state=spec.flags == "all", uniform_len=1 if spec.flags == "default" else None)
-    return KernelLaunch(kernel, consts, config.warps, config.stages), config, spec.dtype
+    return launch, config, spec.dtype
 
 
 def _bwd_launch_for(kernel: str, target: str, spec: Spec):
@@ -276,18 +210,24 @@ def _launch_for(kernel: str, target: str, spec: Spec):
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
-def _signature(fn, kernel: str, spec: Spec, work: str, constexprs: dict):
-    """(signature, attrs) for ASTSource; checks the table against the kernel."""
-    params = [p for p in fn.params]
-    runtime = [p.name for p in params if not p.is_constexpr]
+def _signature(fn, function: str, spec: Spec, work: str, constexprs: dict):
+    """(signature, attrs) for ASTSource from the kernel's signature table
+    (kda_jax.kernels.signatures), checked against its parameters."""
+    from kda_jax.kernels.signatures import SIGNATURES
+    from kda_jax.triton.launch import runtime_params
+
+    params = list(fn.params)
+    table = SIGNATURES[function].args
+    runtime = runtime_params(fn)
     consts = {p.name for p in params if p.is_constexpr}
-    if runtime != [name for name, _ in _ARGS[kernel]]:
-        raise RuntimeError(f"{kernel}: runtime arguments {runtime} differ from aot's table")
+    if runtime != [name for name, _ in table]:
+        raise RuntimeError(f"{function}: runtime arguments {runtime} differ from "
+                           "kda_jax.kernels.signatures'")
     if consts != set(constexprs):
         raise RuntimeError(
-            f"{kernel}: constexprs {sorted(consts)} differ from forward_launches' "
+            f"{function}: constexprs {sorted(consts)} differ from the launch's "
             f"{sorted(constexprs)}")
-    kinds = dict(_ARGS[kernel])
+    kinds = dict(table)
     signature, attrs = {}, {}
     for i, p in enumerate(params):
         if p.is_constexpr:
@@ -423,20 +363,19 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from kda_jax.kernels import chunk_bwd, chunk_fwd, fused_recurrent
+        from kda_jax.triton.launch import kernel_function
 
         launch, config, work = _launch_for(kernel, target, spec)
         row.update(config=dataclasses.asdict(config), num_warps=launch.num_warps,
                    num_stages=launch.num_stages, constexprs=launch.constexprs)
         name = _FUNCTION.get(kernel, kernel)
-        module = next(m for m in (chunk_fwd, chunk_bwd, fused_recurrent) if hasattr(m, name))
-        fn = getattr(module, name)
+        fn = kernel_function(name)
         if not isinstance(fn, triton.runtime.JITFunction):
             raise RuntimeError(
                 f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
                 "set when the kernels were imported; compile through kda_jax.aot.run, whose "
                 "worker processes drop it")
-        signature, attrs = _signature(fn, kernel, spec, work, launch.constexprs)
+        signature, attrs = _signature(fn, name, spec, work, launch.constexprs)
         backend, arch, warp = TARGETS[target]
         options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
                        enable_fp_fusion=True, debug=False)  # as jax-triton compiles
@@ -645,9 +584,10 @@ def _source_hashes() -> dict:
     import importlib.util
 
     out = {}
-    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.kernels.common", "kda_jax.kernels.state_io",
+    for mod in ("kda_jax.kernels.chunk_fwd", "kda_jax.kernels.common",
+                "kda_jax.kernels.signatures", "kda_jax.kernels.state_io",
                 "kda_jax.kernels.varlen", "kda_jax.kernels.gate", "kda_jax.configs",
-                "kda_jax.triton.forward",
+                "kda_jax.triton.launch", "kda_jax.triton.forward",
                 "kda_jax.kernels.fused_recurrent", "kda_jax.triton.recurrent",
                 "kda_jax.kernels.chunk_bwd", "kda_jax.triton.backward"):
         path = importlib.util.find_spec(mod).origin

@@ -34,10 +34,10 @@ from kda_jax import configs, transforms
 from kda_jax.bounds import SeqBounds, chunk_table, next_pow2, packed_metadata
 from kda_jax.configs import BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
-from kda_jax.triton.forward import (KernelLaunch, chunk_kda_triton, forward_launches,
-                                    split_state_k, work_dtype)
+from kda_jax.triton.forward import chunk_kda_triton, forward_launches, split_state_k, work_dtype
 from kda_jax.triton.forward_only import unbatchable
-from kda_jax.triton.launch import dot_code, interpret_mode, kernels, launch, stand_in
+from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel,
+                                   stand_in)
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
 
@@ -148,7 +148,6 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
         return (zeros(tokens, hv, kd), zeros(tokens, hv, kd), zeros(tokens, hv, vd),
                 zeros(tokens, hv, kd), zeros(tokens, hv), dh0)
 
-    mod = kernels("chunk_bwd")
     meta_dev = jnp.asarray(meta.buffer)
     off_cu, off_co, off_ct = (meta.offset(x) for x in ("cu_seqlens", "chunk_offsets",
                                                        "chunk_table"))
@@ -157,64 +156,61 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
                           has_initial_state=initial_state is not None,
                           has_final_grad=dht is not None, work=work)
     sds = jax.ShapeDtypeStruct
+    by_chunk = dict(meta=meta_dev, off_cu=off_cu, off_ct=off_ct, n_bounds=n, n_tokens=tokens)
+    by_seq = dict(meta=meta_dev, off_cu=off_cu, off_co=off_co, n_tokens=tokens,
+                  n_chunk_rows=n_chunks)
+    tk, tv, tt = sds((tokens, hv, kd), f32), sds((tokens, hv, vd), f32), sds((tokens, hv, bt), f32)
 
-    def run(name, *args, grid, out_shape):
-        spec = L[name]
-        return launch(getattr(mod, name), *args, grid=grid, out_shape=out_shape, name=name,
-                      num_warps=spec.num_warps, num_stages=spec.num_stages, **spec.constexprs)
+    def run(name, grid, inputs, outputs):
+        return launch_kernel(L[name], inputs=inputs, outputs=outputs, grid=grid, name=name)
 
-    tk_shape, tv_shape = (tokens, hv, kd), (tokens, hv, vd)
     # The forward's prepare kernel on the transformed inputs, also storing X.
     prep = recompute_launch(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work)
-    w, u, qg, kt, aqk, gl, x, gc = launch(
-        getattr(kernels("chunk_fwd"), prep.kernel),
-        q, k, v, g, beta, dummy, dummy, meta_dev, off_cu, off_ct, n, tokens,
-        grid=(n_chunks, hv, 1),
-        out_shape=[sds(tk_shape, work), sds(tv_shape, work), sds(tk_shape, work),
-                   sds(tk_shape, work), sds((tokens, hv, bt), work),
-                   sds((n_chunks, hv, kd), f32), sds((tokens, hv, bt), f32),
-                   sds(tk_shape, f32)],  # the last: G, read by the kernels below
-        name="kda_bwd_recompute", num_warps=prep.num_warps, num_stages=prep.num_stages,
-        **prep.constexprs)
+    r = launch_kernel(
+        prep,
+        inputs=dict(q=q, k=k, v=v, g=g, beta=beta, A_log=dummy, dt_bias=dummy, **by_chunk),
+        outputs=dict(w=sds(tk.shape, work), u=sds(tv.shape, work), qg=sds(tk.shape, work),
+                     kt=sds(tk.shape, work), aqk=sds(tt.shape, work),
+                     gl=sds((n_chunks, hv, kd), f32), x=tt,
+                     gc=tk),  # G, read by the kernels below
+        grid=(n_chunks, hv, 1), name="kda_bwd_recompute")
 
     n_v = -(-vd // L["kda_bwd_state_kernel"].constexprs["BV"])
-    h0 = dummy if initial_state is None else initial_state.astype(f32)
-    hs, vn = run(
-        "kda_bwd_state_kernel", w, u, kt, gl, h0, meta_dev, off_cu, off_co, tokens, n_chunks,
-        grid=(n, hv, n_v),
-        out_shape=[sds((n_chunks, hv, kd, vd), f32), sds(tv_shape, work)])
+    state = run(
+        "kda_bwd_state_kernel", (n, hv, n_v),
+        dict(w=r["w"], u=r["u"], kt=r["kt"], gl=r["gl"],
+             h0=dummy if initial_state is None else initial_state.astype(f32), **by_seq),
+        dict(h=sds((n_chunks, hv, kd, vd), f32), vn=sds(tv.shape, work)))
 
-    dht_in = dummy if dht is None else dht.astype(f32)
-    dhs, dvn, dh0 = run(
-        "kda_bwd_dstate_kernel", qg, kt, w, aqk, gl, do, dht_in, meta_dev, off_cu, off_co,
-        tokens, n_chunks,
-        grid=(n, hv, n_v),
-        out_shape=[sds((n_chunks, hv, kd, vd), f32), sds(tv_shape, work),
-                   sds(state_shape if initial_state is not None else (4,), f32)])
+    dstate = run(
+        "kda_bwd_dstate_kernel", (n, hv, n_v),
+        dict(qg=r["qg"], kt=r["kt"], w=r["w"], aqk=r["aqk"], gl=r["gl"], do=do,
+             dht=dummy if dht is None else dht.astype(f32), **by_seq),
+        dict(dh=sds((n_chunks, hv, kd, vd), f32), dvn=sds(tv.shape, work),
+             dh0=sds(state_shape if initial_state is not None else (4,), f32)))
 
     n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
-    dq_p, dk_p, dg_p, dw = run(
-        "kda_bwd_inter_kernel", q, k, gc, g, hs, dhs, vn, dvn, do, meta_dev, off_cu, off_ct,
-        n, tokens,
-        grid=(n_chunks, hv, n_k), out_shape=[sds(tk_shape, f32)] * 4)
+    inter = run(
+        "kda_bwd_inter_kernel", (n_chunks, hv, n_k),
+        dict(q=q, k=k, gc=r["gc"], g=g, h=state["h"], dh=dstate["dh"], vn=state["vn"],
+             dvn=dstate["dvn"], do=do, **by_chunk),
+        dict(dq=tk, dk=tk, dg=tk, dw=tk))
 
-    tt_shape = (tokens, hv, bt)
-    dv, dk_w, dg_w, dl, daqk, dbeta = run(
-        "kda_bwd_wy_kernel", k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw,
-        meta_dev, off_cu, off_ct, n, tokens,
-        grid=(n_chunks, hv, 1),
-        out_shape=[sds(tv_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
-                   sds(tt_shape, f32), sds(tt_shape, f32), sds((tokens, hv), f32)])
+    wy = run(
+        "kda_bwd_wy_kernel", (n_chunks, hv, 1),
+        dict(k=k, v=v, gc=r["gc"], beta=beta, x=r["x"], w=r["w"], u=r["u"], vn=state["vn"],
+             dvn=dstate["dvn"], do=do, dk_p=inter["dk"], dg_p=inter["dg"], dw=inter["dw"],
+             **by_chunk),
+        dict(dv=tv, dk_w=tk, dg_w=tk, dl=tt, daqk=tt, dbeta=sds((tokens, hv), f32)))
 
-    intra = L["kda_bwd_intra_kernel"].constexprs
-    n_k = -(-kd // intra["BK"])
-    dq, dk, dg, dbeta_k = run(
-        "kda_bwd_intra_kernel", q, k, gc, g, beta, dl, daqk, dq_p, dk_w, dg_w,
-        meta_dev, off_cu, off_ct, n, tokens,
-        grid=(n_chunks, hv, n_k),
-        out_shape=[sds(tk_shape, f32), sds(tk_shape, f32), sds(tk_shape, f32),
-                   sds((tokens, hv, n_k), f32)])
-    dbeta = dbeta + jnp.sum(dbeta_k, axis=-1)
+    n_k = -(-kd // L["kda_bwd_intra_kernel"].constexprs["BK"])
+    intra = run(
+        "kda_bwd_intra_kernel", (n_chunks, hv, n_k),
+        dict(q=q, k=k, gc=r["gc"], g=g, beta=beta, dl=wy["dl"], daqk=wy["daqk"],
+             dq_p=inter["dq"], dk_w=wy["dk_w"], dg_w=wy["dg_w"], **by_chunk),
+        dict(dq=tk, dk=tk, dg=tk, dbeta_k=sds((tokens, hv, n_k), f32)))
+    dq, dk, dg, dv, dh0 = intra["dq"], intra["dk"], intra["dg"], wy["dv"], dstate["dh0"]
+    dbeta = wy["dbeta"] + jnp.sum(intra["dbeta_k"], axis=-1)
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
 
 

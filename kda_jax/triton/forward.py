@@ -11,8 +11,6 @@ it in place.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -22,14 +20,11 @@ from kda_jax.batch import kernel_metadata
 from kda_jax.configs import ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
-from kda_jax.triton.launch import dot_code, interpret_mode, kernels, launch, stand_in
+from kda_jax.triton.launch import KernelLaunch, dot_code, interpret_mode, launch_kernel, stand_in
 from kda_jax.triton.state_args import kernel_states
 
-__all__ = ["KernelLaunch", "chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches",
-           "split_state_k", "work_dtype"]
-
-# Position of h0 (the pool, when there is one) among the state kernel's arguments.
-_STATE_H0_ARG = 6
+__all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches", "split_state_k",
+           "work_dtype"]
 
 
 def work_dtype(input_dtype, *, interpret: bool = False):
@@ -52,17 +47,6 @@ def split_state_k(work, kd: int) -> bool:
     (4, 8) and stage count (1, 2) tried; in K halves they compile without
     spills (kda_jax.aot). 16-bit intermediates keep one tile (unchanged code)."""
     return jnp.dtype(work).itemsize != 2 and next_pow2(max(kd, 16)) >= 128
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelLaunch:
-    """What one kernel of the forward compiles with: its name in
-    ``kda_jax.kernels.chunk_fwd``, its constexprs and its launch options."""
-
-    kernel: str
-    constexprs: dict
-    num_warps: int
-    num_stages: int
 
 
 def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -158,58 +142,46 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
         return o, final.astype(f32)
 
     work = work_dtype(q.dtype, interpret=interpret_mode())
-    mod = kernels("chunk_fwd")
     prep, state = forward_launches(
         h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         has_initial_state=initial_state is not None, indexed_state=indexed,
     )
+    sds = jax.ShapeDtypeStruct
     if empty:
         # Only the state pass runs (it writes the pool's rows); it reads no
         # token, so stand-ins keep jax-triton away from empty buffers.
-        w = u = qg = kt = aqk = gl = dummy
+        p = dict(w=dummy, u=dummy, qg=dummy, kt=dummy, aqk=dummy, gl=dummy)
     else:
         flat = lambda x: x.reshape((tokens,) + x.shape[2:])
-        q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
-        w, u, qg, kt, aqk, gl, _, _ = launch(
-            getattr(mod, prep.kernel),
-            q, k, v, g, beta,
-            dummy if A_log is None else A_log.astype(f32),
-            dummy if dt_bias is None else dt_bias.astype(f32),
-            meta.buffer, meta.off_cu, meta.off_ct, meta.num_bounds, tokens,
-            grid=(meta.chunk_programs, hv, 1),
-            out_shape=[
-                jax.ShapeDtypeStruct((tokens, hv, kd), work),
-                jax.ShapeDtypeStruct((tokens, hv, vd), work),
-                jax.ShapeDtypeStruct((tokens, hv, kd), work),
-                jax.ShapeDtypeStruct((tokens, hv, kd), work),
-                jax.ShapeDtypeStruct((tokens, hv, bt), work),
-                jax.ShapeDtypeStruct((meta.chunk_programs, hv, kd), f32),
-                jax.ShapeDtypeStruct((4,), f32),  # x: not stored in the forward
-                jax.ShapeDtypeStruct((tokens, hv, kd), f32),  # gc: the kernel's scratch
-            ],
-            name="kda_fwd_prepare",
-            num_warps=prep.num_warps,
-            num_stages=prep.num_stages,
-            **prep.constexprs,
-        )
+        p = launch_kernel(
+            prep,
+            inputs=dict(q=flat(q), k=flat(k), v=flat(v), g=flat(g), beta=flat(beta),
+                        A_log=dummy if A_log is None else A_log.astype(f32),
+                        dt_bias=dummy if dt_bias is None else dt_bias.astype(f32),
+                        meta=meta.buffer, off_cu=meta.off_cu, off_ct=meta.off_ct,
+                        n_bounds=meta.num_bounds, n_tokens=tokens),
+            outputs=dict(
+                w=sds((tokens, hv, kd), work), u=sds((tokens, hv, vd), work),
+                qg=sds((tokens, hv, kd), work), kt=sds((tokens, hv, kd), work),
+                aqk=sds((tokens, hv, bt), work), gl=sds((meta.chunk_programs, hv, kd), f32),
+                x=sds((4,), f32),  # X: not stored in the forward
+                gc=sds((tokens, hv, kd), f32)),  # the kernel's scratch
+            grid=(meta.chunk_programs, hv, 1), name="kda_fwd_prepare")
 
     st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
-    o, ht = launch(
-        getattr(mod, state.kernel),
-        w, u, qg, kt, aqk, gl, st.h0, st.read_idx, st.write_idx,
-        meta.buffer, meta.off_cu, meta.off_co, n, tokens, meta.chunk_programs, st.slots,
+    out = launch_kernel(
+        state,
+        inputs=dict(w=p["w"], u=p["u"], qg=p["qg"], kt=p["kt"], aqk=p["aqk"], gl=p["gl"],
+                    h0=st.h0, read_idx=st.read_idx, write_idx=st.write_idx, meta=meta.buffer,
+                    off_cu=meta.off_cu, off_co=meta.off_co, n_seqs=n, n_tokens=tokens,
+                    n_chunk_rows=meta.chunk_programs, slots=st.slots),
+        outputs=dict(o=sds((tokens, hv, vd) if tokens else (4,), q.dtype),
+                     ht=sds(st.ht_shape, f32)),
         grid=(meta.seq_programs, hv, -(-vd // state.constexprs["BV"])),
-        out_shape=[
-            jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), q.dtype),
-            jax.ShapeDtypeStruct(st.ht_shape, f32),
-        ],
         name="kda_fwd_state_output",
-        num_warps=state.num_warps,
-        num_stages=state.num_stages,
-        input_output_aliases={_STATE_H0_ARG: 1} if st.aliased else None,  # the pool's buffer
-        **state.constexprs,
-    )
+        aliases={"h0": "ht"} if st.aliased else None)  # the pool's buffer
+    o, ht = out["o"], out["ht"]
     o = o.reshape(b, t, hv, vd) if tokens else jnp.zeros((b, t, hv, vd), q.dtype)
     if indexed:
         return o, ht

@@ -11,13 +11,18 @@ its region instead, so that an access before its start faults at once. A test
 mode: it costs a region and two copies per array and launch.
 
 Kernel parameters follow jax-triton's order: array and scalar inputs, then one
-pointer per output, then constexprs by name.
+pointer per output, then constexprs by name. :func:`launch_kernel` takes the
+kernels of ``kda_jax.kernels`` by argument name, in the order of their table
+(``kda_jax.kernels.signatures``); :func:`launch` is the positional form under it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import importlib
+import inspect
 import mmap
 import os
 import sys
@@ -29,10 +34,25 @@ import numpy as np
 
 from kda_jax import configs
 from kda_jax.configs import DOT_MODES
+from kda_jax.kernels import signatures
 from kda_jax.triton import compat
 
-__all__ = ["interpret_mode", "guard_mode", "available", "unavailable_reason", "kernels", "launch",
-           "stand_in"]
+__all__ = ["KernelLaunch", "interpret_mode", "guard_mode", "available", "unavailable_reason",
+           "kernels", "kernel_function", "runtime_params", "launch", "launch_kernel", "stand_in"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLaunch:
+    """What one kernel launch compiles with: the kernel's function name (a key
+    of ``kda_jax.kernels.signatures.SIGNATURES``), its constexprs and its
+    launch options. The glue derives these once per kernel family
+    (forward_launches, backward_launches, recurrent_launch); the launches and
+    kda_jax.aot both use them."""
+
+    kernel: str
+    constexprs: dict
+    num_warps: int
+    num_stages: int
 
 
 def stand_in(dtype=np.float32) -> jax.Array:
@@ -123,6 +143,86 @@ def kernels(name: str):
         if reason is not None:
             raise RuntimeError(reason)
     return importlib.import_module(f"kda_jax.kernels.{name}")
+
+
+def kernel_function(kernel: str):
+    """The ``@triton.jit`` function named ``kernel`` (a key of the signature
+    table), imported from its module."""
+    return getattr(kernels(signatures.SIGNATURES[kernel].module), kernel)
+
+
+def runtime_params(fn) -> list[str]:
+    """The names of a kernel's runtime (non-constexpr) parameters, in order,
+    for a compiled (JITFunction) or interpreted kernel alike."""
+    if hasattr(fn, "params"):
+        return [p.name for p in fn.params if not p.is_constexpr]
+    import triton.language as tl
+
+    return [n for n, p in inspect.signature(fn.fn).parameters.items()
+            if p.annotation is not tl.constexpr]
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_signature(kernel: str, fn) -> signatures.Signature:
+    """The kernel's table entry, once checked against its parameters."""
+    sig = signatures.SIGNATURES[kernel]
+    table = [n for n, _ in sig.args]
+    params = runtime_params(fn)
+    if params != table:
+        raise RuntimeError(f"{kernel}: runtime parameters {params} differ from "
+                           f"kda_jax.kernels.signatures' {table}")
+    return sig
+
+
+_POINTER_DTYPES = {signatures.F32: np.dtype(np.float32), signatures.I32_PTR: np.dtype(np.int32)}
+_KIND_TEXT = {signatures.IN: "a floating array (the inputs' dtype)",
+              signatures.WORK: "a floating array (the intermediates' dtype)",
+              signatures.F32: "a float32 array", signatures.I32_PTR: "an int32 array",
+              signatures.I32: "a Python int"}
+
+
+def _check_kind(kernel: str, name: str, kind: str, value) -> None:
+    """A runtime argument against its kind: an int for a scalar, an array (or
+    ShapeDtypeStruct, for outputs) of the kind's dtype for a pointer."""
+    if kind == signatures.I32:
+        ok = isinstance(value, (int, np.integer))
+    else:
+        dtype = getattr(value, "dtype", None)
+        want = _POINTER_DTYPES.get(kind)
+        ok = dtype is not None and (jnp.dtype(dtype) == want if want is not None
+                                    else jnp.issubdtype(dtype, jnp.floating))
+    if not ok:
+        got = getattr(value, "dtype", None) or type(value).__name__
+        raise TypeError(f"{kernel}: argument {name} must be {_KIND_TEXT[kind]} "
+                        f"(kda_jax.kernels.signatures), got {got}")
+
+
+def launch_kernel(spec: KernelLaunch, *, inputs: dict, outputs: dict, grid, name: str,
+                  aliases: dict | None = None) -> dict:
+    """Launches the kernel ``spec.kernel`` with its runtime arguments by name.
+
+    ``inputs``: name -> jax array or int; ``outputs``: name -> ShapeDtypeStruct;
+    both exactly the table's names (``kda_jax.kernels.signatures``), which
+    give the order. ``aliases``: ``{input name: output name}``, that output
+    being the input's buffer (see :func:`launch`). Returns the outputs by name.
+    """
+    fn = kernel_function(spec.kernel)
+    sig = _checked_signature(spec.kernel, fn)
+    for what, given, table in (("inputs", inputs, sig.inputs), ("outputs", outputs, sig.outputs)):
+        names = [n for n, _ in table]
+        if set(given) != set(names):
+            raise ValueError(f"{spec.kernel}: {what} {sorted(given)} must be exactly {names} "
+                             "(kda_jax.kernels.signatures)")
+        for n, kind in table:
+            _check_kind(spec.kernel, n, kind, given[n])
+    in_names = [n for n, _ in sig.inputs]
+    out_names = [n for n, _ in sig.outputs]
+    positions = {in_names.index(i): out_names.index(o) for i, o in (aliases or {}).items()}
+    outs = launch(fn, *(inputs[n] for n in in_names), grid=grid,
+                  out_shape=[outputs[n] for n in out_names], name=name,
+                  num_warps=spec.num_warps, num_stages=spec.num_stages,
+                  input_output_aliases=positions or None, **spec.constexprs)
+    return dict(zip(out_names, outs))
 
 
 def launch(kernel, *args, grid, out_shape, name, num_warps=4, num_stages=2,

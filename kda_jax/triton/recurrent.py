@@ -19,17 +19,15 @@ from kda_jax.batch import kernel_metadata
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
-from kda_jax.triton.launch import kernels, launch, stand_in
+from kda_jax.triton.launch import KernelLaunch, launch_kernel, stand_in
 from kda_jax.triton.state_args import kernel_states
 
-__all__ = ["KERNEL", "recurrent_constexprs", "fused_recurrent_kda_triton"]
+__all__ = ["KERNEL", "recurrent_constexprs", "recurrent_launch", "fused_recurrent_kda_triton"]
 
 KERNEL = "kda_fused_recurrent_kernel"
 # The metadata buffer is the one chunk_kda builds (same cache entry); this
 # kernel reads only its cu_seqlens block.
 _META_CHUNK = 64
-# Position of h0 (the pool, when there is one) among the kernel's arguments.
-_H0_ARG = 7
 
 
 def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -66,6 +64,13 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         SEQ_LEN=uniform_len or 0,
         LOOP_STAGES=config.stages,
     )
+
+
+def recurrent_launch(*, config: RecurrentConfig, **kwargs) -> KernelLaunch:
+    """The kernel's launch: :func:`recurrent_constexprs` (same arguments) and
+    the config's warps and stages."""
+    return KernelLaunch(KERNEL, recurrent_constexprs(config=config, **kwargs), config.warps,
+                        config.stages)
 
 
 # The decode grid is (V blocks, heads, sequences): sequences take the third
@@ -123,7 +128,7 @@ def _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts: KdaOptions
     q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
 
     indexed = pool is not None
-    consts = recurrent_constexprs(
+    spec = recurrent_launch(
         h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         has_initial_state=initial_state is not None, indexed_state=indexed,
@@ -132,24 +137,19 @@ def _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts: KdaOptions
     state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
     st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
 
-    o, ht = launch(
-        getattr(kernels("fused_recurrent"), KERNEL),
-        q, k, v, g, beta,
-        dummy if A_log is None else A_log.astype(f32),
-        dummy if dt_bias is None else dt_bias.astype(f32),
-        st.h0, st.read_idx, st.write_idx,
-        meta.buffer, meta.off_cu, n, tokens, st.slots,
-        grid=(-(-vd // consts["BV"]), hv, meta.seq_programs),
-        out_shape=[
-            jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), out_dtype),
-            jax.ShapeDtypeStruct(st.ht_shape, f32),
-        ],
+    out = launch_kernel(
+        spec,
+        inputs=dict(q=q, k=k, v=v, g=g, beta=beta,
+                    A_log=dummy if A_log is None else A_log.astype(f32),
+                    dt_bias=dummy if dt_bias is None else dt_bias.astype(f32),
+                    h0=st.h0, read_idx=st.read_idx, write_idx=st.write_idx, meta=meta.buffer,
+                    off_cu=meta.off_cu, n_seqs=n, n_tokens=tokens, slots=st.slots),
+        outputs=dict(o=jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), out_dtype),
+                     ht=jax.ShapeDtypeStruct(st.ht_shape, f32)),
+        grid=(-(-vd // spec.constexprs["BV"]), hv, meta.seq_programs),
         name="kda_fused_recurrent",
-        num_warps=config.warps,
-        num_stages=config.stages,
-        input_output_aliases={_H0_ARG: 1} if st.aliased else None,  # the pool's buffer
-        **consts,
-    )
+        aliases={"h0": "ht"} if st.aliased else None)  # the pool's buffer
+    o, ht = out["o"], out["ht"]
     o = o.reshape(b, t, hv, vd) if tokens else jnp.zeros((b, t, hv, vd), out_dtype)
     if indexed:
         return o, ht
