@@ -38,118 +38,150 @@ def _check_fp32_grade(name: str, value: str):
                          "(float32-grade products)")
 
 
+def _check_fields(config, *, blocks=(), warps=(), stages=(), dots=(), min_block=16):
+    """Each named field of ``config`` against its kind: a power-of-two block
+    >= min_block, a warp count, a stage count or a product precision."""
+    for name in blocks:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < min_block or value & (value - 1):
+            raise ValueError(f"{name}={value!r} must be a power of two >= {min_block}")
+    for name in warps:
+        if getattr(config, name) not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{name}={getattr(config, name)!r} must be one of 1, 2, 4, 8, 16")
+    for name in stages:
+        if getattr(config, name) not in (1, 2, 3, 4):
+            raise ValueError(f"{name}={getattr(config, name)!r} must be one of 1, 2, 3, 4")
+    for name in dots:
+        if getattr(config, name) not in DOT_MODES:
+            raise ValueError(f"{name}={getattr(config, name)!r} must be one of "
+                             f"{', '.join(DOT_MODES)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-    """Launch parameters of the two forward kernels.
+    """Launch parameters of the two forward kernels. Every field applies as
+    it is (none stands in for another); the defaults are the "default"
+    arch's entry.
 
-    prepare_block_k: K slice of the prepare kernel (its intra-chunk products
-      loop over K in slices of this width).
-    prepare_warps / prepare_stages: that kernel's num_warps / num_stages.
-    state_block_v: V block of the state-and-output kernel (one program per
-      sequence, head and V block); its state tile is [K (padded), block_v] fp32.
-    state_warps / state_stages: that kernel's num_warps / num_stages.
-    prepare_dot: precision of the prepare kernel's intra-chunk products Akk
-      and Aqk: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32 products,
-      about fp32 accuracy), "tf32" (NVIDIA only), "bf16" (operands rounded
-      to bf16), "bf16x3" (three bf16 products of a two-term split, about
-      1e-5 relative; NVIDIA and AMD) or "bf16x6" (six products of a
+    The prepare kernel (one program per chunk and value head):
+    prepare_block_k / prepare_block_k_fp32: its K slice (the intra-chunk
+      products loop over K in slices of this width) with 16-bit / float32
+      inputs; float32 ones take fp32-grade products, which hold more registers.
+    prepare_warps / prepare_stages: its num_warps / num_stages.
+    prepare_dot: precision of its intra-chunk products Akk and Aqk with
+      16-bit inputs: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32
+      products, about fp32 accuracy), "tf32" (NVIDIA only), "bf16" (operands
+      rounded to bf16), "bf16x3" (three bf16 products of a two-term split,
+      about 1e-5 relative; NVIDIA and AMD) or "bf16x6" (six products of a
       three-term split, about fp32 accuracy; NVIDIA and AMD).
+    prepare_wu_dot: precision of w = X (beta k e^G) and u = X (beta v), with
+      16-bit inputs.
     inverse_dot: precision of the products that merge the inverse's 16-row
-      diagonal blocks (which are always exact float32 sweeps) with 16-bit
-      inputs: "ieee" or, on NVIDIA, "tf32x3" or "tf32". With float32 inputs
-      the merge takes fp32_dot.
-    prepare_wu_dot: precision of w = X (beta k e^G) and u = X (beta v).
-    fp32_dot: precision of every product of the prepare kernel when the
-      inputs are float32: users of float32 expect float32 accuracy, which the
-      16-bit and tf32 modes above do not give.
-    fp32_block_k: the prepare kernel's K slice with float32 inputs (None:
-      prepare_block_k); fp32-grade products hold more registers.
-    state_block_v_wide / state_warps_wide / state_stages_wide: the state
-      kernel's V block, warps and stages for wide tiles, K > 128 or float32
-      intermediates (None: the values above).
-    state_warps_fp32: the state kernel's warps with float32 intermediates
-      (None: as wide tiles); 16-bit ones past K = 128 keep state_warps_wide.
+      diagonal blocks (which are always exact float32 sweeps), with 16-bit
+      inputs: "ieee", "tf32x3", "tf32", "bf16x3" or "bf16x6".
+    fp32_dot: precision of every product of both kernels when the inputs are
+      float32: users of float32 expect float32 accuracy, which the 16-bit
+      and tf32 modes above do not give. (The state kernel multiplies 16-bit
+      intermediates natively: exact products.)
+
+    The state-and-output kernel (one program per sequence, value head and V
+    block; its state tile is [K (padded), block_v] fp32), in three cases:
+    state_block_v / state_warps / state_stages: 16-bit intermediates, K <= 128.
+    state_block_v_wide / state_warps_wide: 16-bit intermediates, K > 128.
+    state_block_v_fp32 / state_warps_fp32 / state_stages_fp32: float32
+      intermediates (float32 inputs).
+    Past K = 128 it always runs one stage: two stages of its [BT, K] tiles
+    outgrow shared memory (an H200's 227 KiB; docs/tuning.md).
     """
 
     prepare_block_k: int = 64
+    prepare_block_k_fp32: int = 64
     prepare_warps: int = 4
     prepare_stages: int = 1
-    state_block_v: int = 32
-    state_warps: int = 4
-    state_stages: int = 2
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
     inverse_dot: str = "ieee"
     fp32_dot: str = "ieee"
-    fp32_block_k: int | None = None
-    state_block_v_wide: int | None = None
-    state_warps_wide: int | None = None
-    state_stages_wide: int | None = None
-    state_warps_fp32: int | None = None
+    state_block_v: int = 32
+    state_warps: int = 4
+    state_stages: int = 2
+    state_block_v_wide: int = 32
+    state_warps_wide: int = 4
+    state_block_v_fp32: int = 32
+    state_warps_fp32: int = 4
+    state_stages_fp32: int = 2
 
     def __post_init__(self):
-        for name in ("prepare_dot", "prepare_wu_dot", "inverse_dot", "fp32_dot"):
-            value = getattr(self, name)
-            if value not in DOT_MODES:
-                raise ValueError(f"{name}={value!r} must be one of {', '.join(DOT_MODES)}")
+        _check_fields(
+            self, blocks=("prepare_block_k", "prepare_block_k_fp32", "state_block_v",
+                          "state_block_v_wide", "state_block_v_fp32"),
+            warps=("prepare_warps", "state_warps", "state_warps_wide", "state_warps_fp32"),
+            stages=("prepare_stages", "state_stages", "state_stages_fp32"),
+            dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
-        optional = ("fp32_block_k", "state_block_v_wide", "state_warps_wide", "state_stages_wide",
-                    "state_warps_fp32")
-        for name in ("prepare_block_k", "state_block_v", "fp32_block_k", "state_block_v_wide"):
-            value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value} must be a power of two >= 16")
-        for name in ("prepare_warps", "state_warps", "state_warps_wide", "state_warps_fp32"):
-            value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if value not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
-        for name in ("prepare_stages", "state_stages", "state_stages_wide"):
-            value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if value not in (1, 2, 3, 4):
-                raise ValueError(f"{name}={value} must be one of 1, 2, 3, 4")
 
 
-# Why each entry is as it is, in one line; the measurements behind them are in
-# docs/tuning.md. sm90: whole-chunk [64, 32] tiles at 4 warps, tf32 Akk/Aqk and
-# bf16 w/u (errors within the bf16 tolerance; fp32-grade products cost 10-60 %),
-# float32 inputs fp32-grade everywhere, three state stages (wide tiles two: three
-# exceed the 227 KiB of shared memory). AMD targets: the same tiles at 4 waves of
-# 64 keep gfx950's prepare kernel under 256 VGPRs without spills; gfx1250 is
-# wave32 and takes twice the warps for the same tile (docs/rocm.md).
+# One entry per arch at chunk 64, then one per arch at chunk 32; every field
+# written out. Why each is as it is, in a sentence; the measurements behind
+# them are in docs/tuning.md ("Launch configs").
 FORWARD = {
-    "sm90": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
-                          state_block_v=32, state_warps=4, state_stages=3,
-                          prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32",
-                          fp32_dot="bf16x3",
-                          fp32_block_k=16, state_block_v_wide=16, state_warps_wide=8,
-                          state_stages_wide=2),
-    # gfx950: float32 at K = 128 takes 232 KiB of LDS at two stages (160 KiB
-    # per workgroup), 16 KiB and 245 VGPRs at one (kda_jax.aot).
-    "gfx950": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
-                            state_block_v=32, state_warps=2, state_stages=2,
-                            state_stages_wide=1),
-    "gfx942": ForwardConfig(prepare_block_k=32, prepare_warps=4, prepare_stages=1,
-                            state_block_v=32, state_warps=2, state_stages=2,
-                            state_stages_wide=1),  # 64 KiB of LDS
-    "gfx1250": ForwardConfig(prepare_block_k=32, prepare_warps=8, prepare_stages=1,
-                             state_block_v=32, state_warps=4, state_stages=2),
-    "default": ForwardConfig(),
+    # Whole-chunk [64, 32] prepare tiles at 4 warps; tf32 Akk/Aqk and bf16 w/u
+    # stay within the bf16 tolerance (fp32-grade products cost 10-60 %), float32
+    # inputs get fp32-grade products; three state stages, two for float32 tiles
+    # (three outgrow shared memory).
+    "sm90": ForwardConfig(
+        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
+        prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
+        state_block_v=32, state_warps=4, state_stages=3,
+        state_block_v_wide=16, state_warps_wide=8,
+        state_block_v_fp32=16, state_warps_fp32=8, state_stages_fp32=2),
+    # sm90's tiles at 4 waves of 64 keep the prepare kernel under 256 VGPRs
+    # without spills; float32 state tiles take one stage to fit 160 KiB of LDS.
+    "gfx950": ForwardConfig(
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
+        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", fp32_dot="ieee",
+        state_block_v=32, state_warps=2, state_stages=2,
+        state_block_v_wide=32, state_warps_wide=2,
+        state_block_v_fp32=32, state_warps_fp32=2, state_stages_fp32=1),
+    # gfx950's entry: the same wave64 CU, with 64 KiB of LDS.
+    "gfx942": ForwardConfig(
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
+        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", fp32_dot="ieee",
+        state_block_v=32, state_warps=2, state_stages=2,
+        state_block_v_wide=32, state_warps_wide=2,
+        state_block_v_fp32=32, state_warps_fp32=2, state_stages_fp32=1),
+    # Wave32: twice gfx950's warps for the same tiles (docs/rocm.md).
+    "gfx1250": ForwardConfig(
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
+        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", fp32_dot="ieee",
+        state_block_v=32, state_warps=4, state_stages=2,
+        state_block_v_wide=32, state_warps_wide=4,
+        state_block_v_fp32=32, state_warps_fp32=4, state_stages_fp32=2),
+    # Any other GPU: fp32 products, moderate tiles.
+    "default": ForwardConfig(
+        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
+        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", fp32_dot="ieee",
+        state_block_v=32, state_warps=4, state_stages=2,
+        state_block_v_wide=32, state_warps_wide=4,
+        state_block_v_fp32=32, state_warps_fp32=4, state_stages_fp32=2),
 }
-# Chunk 32 where it differs: on sm90 ptxas caps the prepare kernel at 128
-# registers with 16-wide K slices and at 168 with 32-wide ones, and the masked
-# K = 100 case spills under both caps (AOT report); 64-wide slices compile
-# without spills at every spec (204-234 registers). The float32 state kernel
-# at K = 128 spills 96-112 bytes at 8 warps and none at 4 (253-255 registers).
 FORWARD_C32 = {
-    "sm90": dataclasses.replace(FORWARD["sm90"], prepare_block_k=64, prepare_warps=4,
-                                fp32_block_k=64, state_warps_fp32=4),
+    # 64-wide K slices: ptxas caps the prepare kernel's registers lower at
+    # chunk 32, and narrower slices spill at K = 100; the float32 state kernel
+    # takes 4 warps (8 spill at K = 128).
+    "sm90": ForwardConfig(
+        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
+        prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
+        state_block_v=32, state_warps=4, state_stages=3,
+        state_block_v_wide=16, state_warps_wide=8,
+        state_block_v_fp32=16, state_warps_fp32=4, state_stages_fp32=2),
+    # As at chunk 64: the smaller chunk holds fewer registers and less LDS.
+    "gfx950": FORWARD["gfx950"],
+    "gfx942": FORWARD["gfx942"],
+    "gfx1250": FORWARD["gfx1250"],
+    "default": FORWARD["default"],
 }
+
 
 def current_arch() -> str:
     """The default device's architecture key (one of ARCHS), read at trace time,
@@ -175,25 +207,32 @@ def current_arch() -> str:
 
 
 class _Table:
-    """The per-arch configs of one kernel family (by chunk size where that
-    matters), with a trace-time override (a context variable, so the override
-    is local to the thread and the ``with`` block)."""
+    """The per-arch configs of one kernel family, by chunk size (the key None
+    for a family whose configs do not depend on it), with a trace-time
+    override (a context variable, so the override is local to the thread and
+    the ``with`` block)."""
 
-    def __init__(self, kind: type, by_arch: dict, by_arch_c32: dict | None = None):
-        self.kind, self.by_arch, self.by_arch_c32 = kind, by_arch, by_arch_c32 or {}
+    def __init__(self, kind: type, by_chunk: dict):
+        self.kind, self.by_chunk = kind, by_chunk
+        for chunk, table in by_chunk.items():
+            missing = [a for a in ARCHS if a not in table]
+            if missing:
+                raise ValueError(f"the {kind.__name__} table at chunk {chunk} lacks {missing}")
         self.chosen = contextvars.ContextVar(f"kda_jax_{kind.__name__}", default=None)
 
-    def get(self, arch: str | None, chunk_size: int = 64):
+    def get(self, arch: str | None, chunk_size: int | None = None):
         chosen = self.chosen.get()
         if chosen is not None:
             return chosen
         arch = current_arch() if arch is None else arch
-        if arch not in self.by_arch:
+        table = self.by_chunk.get(None if None in self.by_chunk else chunk_size)
+        if table is None:
+            raise ValueError(f"chunk_size={chunk_size!r} has no {self.kind.__name__} table; "
+                             f"known: {', '.join(map(str, self.by_chunk))}")
+        if arch not in table:
             raise ValueError(f"arch={arch!r} has no {self.kind.__name__}; known: "
-                             f"{', '.join(self.by_arch)}")
-        if chunk_size == 32:
-            return self.by_arch_c32.get(arch, self.by_arch[arch])
-        return self.by_arch[arch]
+                             f"{', '.join(table)}")
+        return table[arch]
 
     @contextlib.contextmanager
     def override(self, config):
@@ -207,7 +246,7 @@ class _Table:
             self.chosen.reset(token)
 
 
-_FORWARD = _Table(ForwardConfig, FORWARD, FORWARD_C32)
+_FORWARD = _Table(ForwardConfig, {64: FORWARD, 32: FORWARD_C32})
 
 
 def forward_config(arch: str | None = None, chunk_size: int = 64) -> ForwardConfig:
@@ -231,54 +270,48 @@ __all__ += ["RecurrentConfig", "RECURRENT", "recurrent_config", "override_recurr
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
     """Launch parameters of the fused recurrent kernel (one program per
-    sequence, value head and V block; the whole of K in each program).
+    sequence, value head and V block; the whole of K in each program, its
+    state tile [K (padded), block_v] fp32 in registers). Every field applies
+    as it is; the defaults are the "default" arch's entry.
 
-    block_v: V block; the program's state tile is [K (padded), block_v] fp32
-      in registers, and smaller blocks give more programs to small batches.
+    block_v: the V block at K <= 128 with host bounds whose sequences all
+      have one length (the dense decode: no bound is loaded).
+    block_v_bounds: the V block at K <= 128 when the kernel loads the
+      sequence bounds (varlen and bucketed batches: the serving decode).
+    block_v_wide: the V block past K = 128, where the tile is twice as tall.
     warps: num_warps.
     stages: num_stages, and the software-pipelining depth of the token loop
       (its next token's loads issued before this token's update).
-    block_v_wide: the V block past K = 128, where the tile is twice as tall
-      (None: block_v).
-    block_v_bounds: the V block when the kernel loads the sequence bounds
-      (varlen and bucketed batches: the serving decode), at K <= 128; None:
-      block_v. The dense decode (host bounds, all sequences one length) uses
-      block_v.
     """
 
     block_v: int = 32
+    block_v_bounds: int = 32
+    block_v_wide: int = 32
     warps: int = 4
     stages: int = 2
-    block_v_wide: int | None = None
-    block_v_bounds: int | None = None
 
     def __post_init__(self):
-        for name in ("block_v", "block_v_wide", "block_v_bounds"):
-            value = getattr(self, name)
-            if value is not None and (value < 8 or value & (value - 1)):
-                raise ValueError(f"{name}={value} must be a power of two >= 8")
-        if self.warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"warps={self.warps} must be one of 1, 2, 4, 8, 16")
-        if self.stages < 1:
-            raise ValueError(f"stages={self.stages} must be >= 1")
+        _check_fields(self, blocks=("block_v", "block_v_bounds", "block_v_wide"),
+                      warps=("warps",), min_block=8)
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"stages={self.stages!r} must be >= 1")
 
 
-# Untuned starting points. A [128, 32] fp32 tile over 128 lanes is 32 values
-# per lane (64 at K = 256): 4 warps of 32 on sm90 and gfx1250 (wave32), 2
-# waves of 64 on gfx950 and gfx942.
+# A [128, 32] fp32 tile over 128 lanes is 32 values per lane (64 at K = 256).
+# One sentence each on why; measurements in docs/tuning.md ("Decode").
 RECURRENT = {
-    # sm90: rows of 64 floats copy faster than rows of 32 (the dense decode is a
-    # state copy with arithmetic on the way); with bounds loaded from metadata
-    # the 32-wide tile is faster; stages=2 pipelines the token loop
-    # (docs/tuning.md, decode).
-    "sm90": RecurrentConfig(block_v=64, warps=4, stages=2, block_v_wide=32, block_v_bounds=32),
-    "gfx950": RecurrentConfig(block_v=32, warps=2, stages=2),
-    "gfx942": RecurrentConfig(block_v=32, warps=2, stages=2),
-    "gfx1250": RecurrentConfig(block_v=32, warps=4, stages=2),
-    "default": RecurrentConfig(),
+    # Rows of 64 floats copy faster in the dense decode (a state copy with
+    # arithmetic on the way); with bounds loaded the 32-wide tile is faster.
+    "sm90": RecurrentConfig(block_v=64, block_v_bounds=32, block_v_wide=32, warps=4, stages=2),
+    # Untimed: 2 waves of 64 hold the tile as sm90's 4 warps of 32 do.
+    "gfx950": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
+    "gfx942": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
+    # Untimed: wave32, so sm90's 4 warps of 32.
+    "gfx1250": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=4, stages=2),
+    "default": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=4, stages=2),
 }
 
-_RECURRENT = _Table(RecurrentConfig, RECURRENT)
+_RECURRENT = _Table(RecurrentConfig, {None: RECURRENT})
 
 
 def recurrent_config(arch: str | None = None) -> RecurrentConfig:
@@ -338,130 +371,162 @@ __all__ += ["BackwardConfig", "BACKWARD", "BACKWARD_C32", "backward_config", "ov
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-    """Launch parameters of the six backward kernels.
+    """Launch parameters of the backward's recompute and five kernels. Every
+    field applies as it is; the defaults are the "default" arch's entry.
 
-    prepare_*: the recompute of w, u, qg, kt, Aqk, gl and X (as the forward's
-      prepare kernel: K slice, warps, stages; prepare_dot, prepare_wu_dot and
-      inverse_dot as the forward's).
-    state_block_v / state_warps / state_stages: both state passes (forward
-      h and reverse dS; one program per sequence, head and V block).
-    state_warps_wide: both state passes' warps past K = 128.
-    inter_block_k / inter_block_v / inter_warps: the per-chunk state terms
-      (grid chunks x heads x K blocks; loops over V blocks).
-    wy_block_k / wy_block_v / wy_warps: the per-chunk gradients through X
-      (grid chunks x heads; loops over K and V blocks). wy_dot: precision of
-      its dots with X^T and of dw w^T with 16-bit inputs (as prepare_dot);
-      products of two 16-bit intermediates are native 16-bit products.
-    wy_fp32_dot: the same with float32 inputs: "ieee" or "tf32x3".
+    The recompute (the forward's prepare kernel, storing X too):
+    prepare_block_k / prepare_block_k_fp32 / prepare_warps / prepare_stages /
+      prepare_dot / prepare_wu_dot / inverse_dot: as ForwardConfig's.
+    prepare_dot_fp32: every recompute product with float32 inputs (as
+      ForwardConfig.fp32_dot).
+
+    Both state passes (forward h and reverse dS; one program per sequence,
+    head and V block):
+    state_block_v: their V block.
+    state_warps / state_warps_wide: their warps at K <= 128 / past it.
+    state_stages / state_stages_fp32: their stages at K <= 128 with 16-bit /
+      float32 intermediates (past K = 128 one stage: two outgrow shared
+      memory, as in the forward).
+    dstate_split_k: the reverse pass holds dS as two K halves where the
+      state passes hold the state so (float32 intermediates, K > 64:
+      kda_jax.triton.forward.split_state_k); False keeps one [K, BV] tile.
+
+    The per-chunk kernels:
+    inter_block_k / inter_block_v / inter_block_v_fp32 / inter_warps: the
+      state terms (grid chunks x heads x K blocks; loops over V blocks; the
+      V block with 16-bit / float32 intermediates).
+    wy_block_k / wy_block_v / wy_warps: the gradients through X (grid chunks
+      x heads; loops over K and V blocks).
+    wy_dot / wy_dot_fp32: precision of its dots with X^T and of dw w^T with
+      16-bit / float32 inputs (the latter float32-grade: "ieee", "tf32x3" or
+      "bf16x6"); products of two 16-bit intermediates are native 16-bit
+      products.
     intra_block_k / intra_warps: the products' backward (grid chunks x heads
       x K blocks).
     product_dot: precision of the products' backward in the intra kernel
       (see ForwardConfig.prepare_dot).
     fp32_dot: precision of the state passes' and the inter kernel's products
       when the intermediates are float32 (16-bit ones multiply exactly).
-    prepare_fp32_dot: the recompute's products with float32 inputs (as
-      ForwardConfig.fp32_dot; the state passes and the inter kernel take
-      fp32_dot).
-    prepare_fp32_block_k / state_stages_fp32 / inter_block_v_fp32: the
-      recompute's K slice (as ForwardConfig.fp32_block_k), both state passes'
-      stages and the inter kernel's V block with float32 intermediates (None:
-      prepare_block_k, state_stages, inter_block_v).
-    dstate_split_k: the reverse state pass holds dS as two K halves where the
-      state passes hold the state so (float32 intermediates, K > 64:
-      kda_jax.triton.forward.split_state_k); False keeps one [K, BV] tile.
     """
 
     prepare_block_k: int = 64
+    prepare_block_k_fp32: int = 64
     prepare_warps: int = 4
     prepare_stages: int = 1
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
     inverse_dot: str = "ieee"
+    prepare_dot_fp32: str = "ieee"
     state_block_v: int = 32
     state_warps: int = 4
     state_warps_wide: int = 4
     state_stages: int = 2
+    state_stages_fp32: int = 2
+    dstate_split_k: bool = True
     inter_block_k: int = 64
     inter_block_v: int = 64
+    inter_block_v_fp32: int = 64
     inter_warps: int = 4
     wy_block_k: int = 32
     wy_block_v: int = 32
     wy_warps: int = 4
     wy_dot: str = "ieee"
-    wy_fp32_dot: str = "ieee"
+    wy_dot_fp32: str = "ieee"
     intra_block_k: int = 32
     intra_warps: int = 4
     product_dot: str = "ieee"
     fp32_dot: str = "ieee"
-    prepare_fp32_block_k: int | None = None
-    prepare_fp32_dot: str = "ieee"
-    state_stages_fp32: int | None = None
-    inter_block_v_fp32: int | None = None
-    dstate_split_k: bool = True
 
     def __post_init__(self):
-        for name in ("product_dot", "prepare_dot", "prepare_wu_dot", "inverse_dot", "wy_dot",
-                     "wy_fp32_dot", "fp32_dot", "prepare_fp32_dot"):
-            if getattr(self, name) not in DOT_MODES:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be one of "
-                                 f"{', '.join(DOT_MODES)}")
+        _check_fields(
+            self, blocks=("prepare_block_k", "prepare_block_k_fp32", "state_block_v",
+                          "inter_block_k", "inter_block_v", "inter_block_v_fp32", "wy_block_k",
+                          "wy_block_v", "intra_block_k"),
+            warps=("prepare_warps", "state_warps", "state_warps_wide", "inter_warps",
+                   "wy_warps", "intra_warps"),
+            stages=("prepare_stages", "state_stages", "state_stages_fp32"),
+            dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "prepare_dot_fp32", "wy_dot",
+                  "wy_dot_fp32", "product_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
-        _check_fp32_grade("wy_fp32_dot", self.wy_fp32_dot)
-        optional = ("prepare_fp32_block_k", "inter_block_v_fp32")
-        for name in ("prepare_block_k", "state_block_v", "inter_block_k", "inter_block_v",
-                     "wy_block_k", "wy_block_v", "intra_block_k") + optional:
-            value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value} must be a power of two >= 16")
-        for name in ("prepare_warps", "state_warps", "state_warps_wide", "inter_warps", "wy_warps",
-                     "intra_warps"):
-            value = getattr(self, name)
-            if value not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
-        if self.state_stages_fp32 is not None and self.state_stages_fp32 not in (1, 2, 3, 4):
-            raise ValueError(f"state_stages_fp32={self.state_stages_fp32} must be one of "
-                             "1, 2, 3, 4")
+        _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
         if not isinstance(self.dstate_split_k, bool):
             raise ValueError(f"dstate_split_k={self.dstate_split_k!r} must be True or False")
 
 
-# Untuned starting points (correctness first; the GPU tuning is still to do).
-# AMD targets use 2 waves of 64 where NVIDIA uses 4 warps of 32, as in FORWARD.
+# One entry per arch at chunk 64, then at chunk 32; every field written out,
+# one sentence each on why (measurements: docs/tuning.md, "Launch configs").
 BACKWARD = {
-    # sm90: the largest blocks that compile without spills at every spec
-    # (kda_jax.aot); tf32 products with 16-bit inputs, fp32-grade ones with
-    # float32 inputs (docs/tuning.md, backward).
-    "sm90": BackwardConfig(prepare_block_k=32, prepare_warps=4, prepare_dot="bf16x3",
-                           prepare_wu_dot="tf32x3", inverse_dot="bf16x3", state_block_v=16,
-                           state_warps_wide=8, inter_block_k=32,
-                           wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="bf16x3",
-                           wy_fp32_dot="ieee",
-                           intra_block_k=16, intra_warps=8, product_dot="bf16x3",
-                           fp32_dot="tf32x3", inter_block_v_fp32=32, prepare_fp32_dot="bf16x3",
-                           prepare_fp32_block_k=16),
-    # gfx950: the float32 reverse state pass at K = 128 takes 248 KiB of LDS at
-    # two stages (160 KiB per workgroup).
-    "gfx950": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=2, state_warps_wide=2,
-                             inter_warps=2, wy_warps=4, state_stages_fp32=1),
-    # gfx942: 64 KiB of LDS; the reverse state pass fits at one stage, 4 waves.
-    # Its intra kernel spills a VGPR at 32-wide K blocks (156 VGPRs at 16).
-    "gfx942": BackwardConfig(prepare_block_k=32, prepare_warps=4, state_warps=4,
-                             state_stages=1, inter_warps=2, wy_warps=4, intra_block_k=16),
-    "gfx1250": BackwardConfig(prepare_block_k=32, prepare_warps=8, wy_warps=8),
-    "default": BackwardConfig(),
+    # The largest blocks that compile without spills at every spec; split-bf16
+    # products with 16-bit inputs (tf32 ones miss the gate parameters'
+    # gradient bar), tf32x3 ones with float32 intermediates.
+    "sm90": BackwardConfig(
+        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
+        prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
+        prepare_dot_fp32="bf16x3",
+        state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
+        state_stages_fp32=2, dstate_split_k=True,
+        inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
+        wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
+        intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3"),
+    # Untuned: fp32 products, 2 waves of 64 for the state passes; their float32
+    # form takes one stage to fit 160 KiB of LDS.
+    "gfx950": BackwardConfig(
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
+        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
+        state_block_v=32, state_warps=2, state_warps_wide=2, state_stages=2,
+        state_stages_fp32=1, dstate_split_k=True,
+        inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
+        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
+        intra_block_k=32, intra_warps=4, product_dot="ieee", fp32_dot="ieee"),
+    # Untuned: 64 KiB of LDS fits the state passes at one stage and 4 waves;
+    # the intra kernel takes 16-wide K blocks (32 spill a VGPR).
+    "gfx942": BackwardConfig(
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
+        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
+        state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=1,
+        state_stages_fp32=1, dstate_split_k=True,
+        inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
+        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
+        intra_block_k=16, intra_warps=4, product_dot="ieee", fp32_dot="ieee"),
+    # Untuned: wave32, twice gfx950's warps for the recompute and the wy kernel.
+    "gfx1250": BackwardConfig(
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
+        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
+        state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
+        state_stages_fp32=2, dstate_split_k=True,
+        inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
+        wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="ieee", wy_dot_fp32="ieee",
+        intra_block_k=32, intra_warps=4, product_dot="ieee", fp32_dot="ieee"),
+    # Any other GPU: fp32 products, moderate tiles.
+    "default": BackwardConfig(
+        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
+        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
+        state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
+        state_stages_fp32=2, dstate_split_k=True,
+        inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
+        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
+        intra_block_k=32, intra_warps=4, product_dot="ieee", fp32_dot="ieee"),
 }
-
-# Chunk 32 on sm90: narrower inter blocks and 64-wide recompute slices, where the
-# chunk-64 entry spills under ptxas's register caps (kda_jax.aot).
 BACKWARD_C32 = {
-    "sm90": dataclasses.replace(BACKWARD["sm90"], prepare_block_k=64, prepare_warps=4,
-                                inter_block_k=16, inter_block_v=16, inter_block_v_fp32=None,
-                                prepare_fp32_block_k=64, dstate_split_k=False, wy_warps=4),
+    # 64-wide recompute slices and 16-wide inter blocks, where the chunk-64
+    # entry spills under ptxas's register caps at chunk 32; dS in one tile.
+    "sm90": BackwardConfig(
+        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
+        prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
+        prepare_dot_fp32="bf16x3",
+        state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
+        state_stages_fp32=2, dstate_split_k=False,
+        inter_block_k=16, inter_block_v=16, inter_block_v_fp32=16, inter_warps=4,
+        wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
+        intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3"),
+    # As at chunk 64.
+    "gfx950": BACKWARD["gfx950"],
+    "gfx942": BACKWARD["gfx942"],
+    "gfx1250": BACKWARD["gfx1250"],
+    "default": BACKWARD["default"],
 }
 
-_BACKWARD = _Table(BackwardConfig, BACKWARD, BACKWARD_C32)
+_BACKWARD = _Table(BackwardConfig, {64: BACKWARD, 32: BACKWARD_C32})
 
 
 def backward_config(arch: str | None = None, chunk_size: int = 64) -> BackwardConfig:

@@ -16,7 +16,28 @@ def test_every_arch_has_every_kernel_family(arch):
 def test_chunk_32_entries_apply_only_at_chunk_32():
     assert configs.forward_config("sm90", 32) == configs.FORWARD_C32["sm90"]
     assert configs.forward_config("sm90", 64) == configs.FORWARD["sm90"]
+    assert configs.forward_config("sm90", 32) != configs.forward_config("sm90", 64)
+    assert configs.backward_config("sm90", 32) == configs.BACKWARD_C32["sm90"]
     assert configs.forward_config("gfx950", 32) == configs.FORWARD["gfx950"]
+
+
+@pytest.mark.parametrize("family", ["FORWARD", "FORWARD_C32", "BACKWARD", "BACKWARD_C32",
+                                    "RECURRENT"])
+def test_tables_write_every_field_for_every_arch(family):
+    """Each table has every arch, and every entry is a full config: no field
+    is None (nothing stands in for another field)."""
+    import dataclasses
+
+    table = getattr(configs, family)
+    assert set(table) == set(configs.ARCHS)
+    for arch, config in table.items():
+        for field in dataclasses.fields(config):
+            assert getattr(config, field.name) is not None, (family, arch, field.name)
+
+
+def test_a_chunk_size_without_a_table_is_named():
+    with pytest.raises(ValueError, match="chunk_size=16 has no ForwardConfig table"):
+        configs.forward_config("sm90", 16)
 
 
 def test_override_is_scoped_to_the_with_block():
@@ -54,6 +75,8 @@ def test_unknown_arch_is_named():
     (dict(inverse_dot="tf16"), "inverse_dot='tf16' must be one of"),
     (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3', 'tf32', 'bf16x3' or 'bf16x6'"),
     (dict(state_warps_fp32=3), "state_warps_fp32=3 must be one of"),
+    (dict(state_block_v_fp32=None), "state_block_v_fp32=None must be a power of two"),
+    (dict(prepare_block_k_fp32=48), "prepare_block_k_fp32=48 must be a power of two"),
 ])
 def test_forward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -62,9 +85,9 @@ def test_forward_config_refuses_bad_values(kwargs, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(wy_dot="tf64"), "wy_dot='tf64' must be one of"),
-    (dict(wy_fp32_dot="tf32"), "wy_fp32_dot='tf32' must be 'ieee', 'tf32x3' or 'bf16x6'"),
+    (dict(wy_dot_fp32="tf32"), "wy_dot_fp32='tf32' must be 'ieee', 'tf32x3' or 'bf16x6'"),
     (dict(inverse_dot="bf16"), "inverse_dot='bf16' must be 'ieee', 'tf32x3', 'tf32', 'bf16x3' or 'bf16x6'"),
-    (dict(prepare_fp32_block_k=24), "prepare_fp32_block_k=24 must be a power of two"),
+    (dict(prepare_block_k_fp32=24), "prepare_block_k_fp32=24 must be a power of two"),
     (dict(inter_block_v_fp32=8), "inter_block_v_fp32=8 must be a power of two"),
     (dict(state_stages_fp32=0), "state_stages_fp32=0 must be one of"),
     (dict(dstate_split_k=1), "dstate_split_k=1 must be True or False"),
@@ -90,7 +113,7 @@ def test_decode_v_block_narrows_past_k_128(kd, bv):
     from kda_jax.options import KdaOptions
     from kda_jax.triton.recurrent import recurrent_constexprs
 
-    config = configs.RecurrentConfig(block_v=64, block_v_wide=32)
+    config = configs.RecurrentConfig(block_v=64, block_v_bounds=64, block_v_wide=32)
     c = recurrent_constexprs(h=2, hv=2, kd=kd, vd=128, opts=KdaOptions(scale=0.1), config=config,
                              has_a_log=False, has_dt_bias=False, has_initial_state=True,
                              indexed_state=False)
@@ -141,15 +164,16 @@ def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, war
     from kda_jax.triton.forward import forward_launches
 
     opts = KdaOptions(scale=0.1)
-    fwd = configs.ForwardConfig(state_warps=4, state_warps_fp32=2)
+    fwd = configs.ForwardConfig(state_warps=4, state_block_v=32, state_block_v_wide=32,
+                                state_warps_fp32=2, state_block_v_fp32=16)
     _, state = forward_launches(h=2, hv=2, kd=100, vd=64, opts=opts, config=fwd,
                                 work=jnp.dtype(work), has_a_log=False, has_dt_bias=False,
                                 has_initial_state=True)
     assert state.constexprs["SPLIT_K"] is split and state.num_warps == warps
-    assert state.constexprs["BK"] == (64 if split else 128)
+    assert state.constexprs["BK"] == (64 if split else 128) and state.constexprs["BV"] == bv
     bwd = configs.BackwardConfig(inter_block_v=32, inter_block_v_fp32=16, state_stages=2,
                                  state_stages_fp32=1, prepare_block_k=64,
-                                 prepare_fp32_block_k=32, dstate_split_k=False)
+                                 prepare_block_k_fp32=32, dstate_split_k=False)
     launches = backward_launches(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
                                  has_initial_state=True, has_final_grad=True,
                                  work=jnp.dtype(work))
@@ -175,9 +199,9 @@ def test_split_bf16_modes_are_valid_and_run_as_ieee_in_the_interpreter(monkeypat
     for mode in ("bf16x3", "bf16x6"):
         cfg = dataclasses.replace(base, product_dot=mode, wy_dot=mode, inverse_dot=mode)
         assert cfg.product_dot == mode
-    dataclasses.replace(base, wy_fp32_dot="bf16x6")
+    dataclasses.replace(base, wy_dot_fp32="bf16x6")
     with pytest.raises(ValueError, match="float32-grade"):
-        dataclasses.replace(base, wy_fp32_dot="bf16x3")
+        dataclasses.replace(base, wy_dot_fp32="bf16x3")
     monkeypatch.setenv("KDA_JAX_INTERPRET", "1")
     assert dot_code("bf16x3") == dot_code("bf16x6") == configs.DOT_MODES.index("ieee")
     assert dot_code("tf32") == configs.DOT_MODES.index("tf32")

@@ -109,7 +109,7 @@ def test_configs_follow_the_device(monkeypatch, table, device, arch):
 
 
 def test_chunk_32_keeps_the_amd_entries(monkeypatch):
-    # FORWARD_C32 / BACKWARD_C32 hold sm90 only; AMD keeps its chunk-64 entry.
+    # The AMD chunk-32 entries are their chunk-64 ones.
     _use_device(monkeypatch, MI355X)
     assert configs.forward_config(chunk_size=32) == configs.FORWARD["gfx950"]
     assert configs.backward_config(chunk_size=32) == configs.BACKWARD["gfx950"]

@@ -54,11 +54,16 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         prepare_block_k=config.prepare_block_k, prepare_warps=config.prepare_warps,
         prepare_stages=config.prepare_stages, prepare_dot=config.prepare_dot,
         prepare_wu_dot=config.prepare_wu_dot, inverse_dot=config.inverse_dot,
-        fp32_dot=config.prepare_fp32_dot, fp32_block_k=config.prepare_fp32_block_k)
+        fp32_dot=config.prepare_dot_fp32, prepare_block_k_fp32=config.prepare_block_k_fp32)
     prepare, _ = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=plain, config=fwd, work=work,
                                   has_a_log=False, has_dt_bias=False,
                                   has_initial_state=False, store_x=True)
     return prepare
+
+
+def _block(n: int, cap: int) -> int:
+    """A block over a dimension of n: its power of two (at least 16), at most cap."""
+    return min(next_pow2(max(n, 16)), cap)
 
 
 def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -70,20 +75,19 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     compiles with them."""
     bt = opts.chunk_size
     sixteen_bit = jnp.dtype(work).itemsize == 2
-    # The config's *_fp32 values apply with float32 intermediates (None: as 16-bit).
-    fp32 = lambda value, fp32_value: (value if sixteen_bit or fp32_value is None
-                                      else fp32_value)
     bk_state = next_pow2(max(kd, 16))
     bv_state = min(next_pow2(max(vd, 16)), config.state_block_v)
     # Past K = 128 the pipelined [BT, K] tiles outgrow shared memory (as forward).
-    state_stages = (fp32(config.state_stages, config.state_stages_fp32)
-                    if bk_state <= 128 else 1)
-    state_warps = config.state_warps if bk_state <= 128 else config.state_warps_wide
+    if bk_state > 128:
+        state_warps, state_stages = config.state_warps_wide, 1
+    else:
+        state_warps = config.state_warps
+        state_stages = config.state_stages if sixteen_bit else config.state_stages_fp32
+    inter_bv = config.inter_block_v if sixteen_bit else config.inter_block_v_fp32
     # The state as two K halves, as the forward's (float32 intermediates), in
     # the reverse pass too unless the config says otherwise.
     split = split_state_k(work, kd)
     split_rev = split and config.dstate_split_k
-    block = lambda n, cap: min(next_pow2(max(n, 16)), cap)
     dot_a = dot_code(config.product_dot)
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
@@ -101,17 +105,17 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             STATE_V_FIRST=opts.state_v_first, DOT=dot_state, SPLIT_K=split_rev),
             state_warps, state_stages),
         KernelLaunch("kda_bwd_inter_kernel", dict(
-            H=h, **common, BK=block(kd, config.inter_block_k),
-            BV=block(vd, fp32(config.inter_block_v, config.inter_block_v_fp32)),
+            H=h, **common, BK=_block(kd, config.inter_block_k),
+            BV=_block(vd, inter_bv),
             SCALE=float(opts.scale), DOT=dot_state),
             config.inter_warps, 1),
         KernelLaunch("kda_bwd_wy_kernel", dict(
-            H=h, **common, BK=block(kd, config.wy_block_k), BV=block(vd, config.wy_block_v),
+            H=h, **common, BK=_block(kd, config.wy_block_k), BV=_block(vd, config.wy_block_v),
             SCALE=float(opts.scale), DOT_X=dot_code(
-                config.wy_dot if sixteen_bit else config.wy_fp32_dot)),
+                config.wy_dot if sixteen_bit else config.wy_dot_fp32)),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(
-            H=h, HV=hv, K=kd, BT=bt, BK=block(kd, config.intra_block_k), DOT_A=dot_a),
+            H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, config.intra_block_k), DOT_A=dot_a),
             config.intra_warps, 1),
     ]
     return {launch_.kernel: launch_ for launch_ in launches}

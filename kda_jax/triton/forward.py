@@ -63,15 +63,24 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     """
     bt = opts.chunk_size
     sixteen_bit = jnp.dtype(work).itemsize == 2
-    # The state kernel's wide tiles: K > 128 or float32 intermediates.
-    wide = next_pow2(kd) > 128 or not sixteen_bit
-    _wide = lambda narrow, wide_value: wide_value if wide and wide_value is not None else narrow
+    wide = next_pow2(kd) > 128
+    # The state kernel's three cases (ForwardConfig): float32 intermediates,
+    # 16-bit past K = 128, 16-bit. Past K = 128 it runs one stage: two stages
+    # of its [BT, K] tiles outgrow shared memory.
+    if not sixteen_bit:
+        state_bv, state_warps = config.state_block_v_fp32, config.state_warps_fp32
+        state_stages = 1 if wide else config.state_stages_fp32
+    elif wide:
+        state_bv, state_warps, state_stages = config.state_block_v_wide, config.state_warps_wide, 1
+    else:
+        state_bv, state_warps, state_stages = (config.state_block_v, config.state_warps,
+                                               config.state_stages)
     prepare = KernelLaunch(
         kernel="kda_fwd_prepare_kernel",
         constexprs=dict(
             H=h, HV=hv, K=kd, V=vd, BT=bt,
-            BK=min(next_pow2(kd), config.prepare_block_k if sixteen_bit or config.fp32_block_k is None
-                   else config.fp32_block_k),
+            BK=min(next_pow2(kd),
+                   config.prepare_block_k if sixteen_bit else config.prepare_block_k_fp32),
             BV=min(next_pow2(vd), 64),
             SCALE=float(opts.scale),
             USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
@@ -93,7 +102,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         kernel="kda_fwd_state_output_kernel",
         constexprs=dict(
             HV=hv, K=kd, V=vd, BT=bt, BK=next_pow2(max(kd, 16)) // (2 if split else 1),
-            BV=min(next_pow2(vd), _wide(config.state_block_v, config.state_block_v_wide)),
+            BV=min(next_pow2(vd), state_bv),
             USE_INITIAL_STATE=has_initial_state or indexed_state,
             STORE_FINAL_STATE=opts.output_final_state or indexed_state,
             STATE_V_FIRST=opts.state_v_first,
@@ -102,13 +111,8 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             DOT=0 if sixteen_bit else dot_code(config.fp32_dot),
             SPLIT_K=split,  # the state as two [BK, BV] tiles
         ),
-        num_warps=(config.state_warps_fp32
-                   if not sixteen_bit and config.state_warps_fp32 is not None
-                   else _wide(config.state_warps, config.state_warps_wide)),
-        # With K > 128 the pipelined [BT, K] tiles of w, qg and kt outgrow an
-        # H200's 227 KiB of shared memory at two stages (measured: 232 KiB).
-        num_stages=(_wide(config.state_stages, config.state_stages_wide)
-                    if next_pow2(kd) <= 128 else 1),
+        num_warps=state_warps,
+        num_stages=state_stages,
     )
     return prepare, state
 

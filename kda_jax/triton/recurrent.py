@@ -39,9 +39,9 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     tokens (host bounds; the kernel then loads no bound), None: varlen. The
     V block: ``block_v_wide`` past K = 128, else ``block_v_bounds`` when the
     bounds are loaded, else ``block_v``."""
-    if kd > 128 and config.block_v_wide is not None:
+    if kd > 128:
         block_v = config.block_v_wide
-    elif uniform_len is None and config.block_v_bounds is not None:
+    elif uniform_len is None:
         block_v = config.block_v_bounds
     else:
         block_v = config.block_v
