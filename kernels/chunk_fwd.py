@@ -231,12 +231,12 @@ def kda_fwd_prepare_kernel(
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         tl.store(gc + p_tk, b_G, mask=m_t[:, None] & m_k[None, :])
     tl.debug_barrier()  # G's rows, stored by every thread, read by all
-    fast = anchored_ok(gc, r_anchor, r_last, p_hk, n_rows, HV, K, BK)
     for ks in tl.static_range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
-        _, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
+        b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
         tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
+    fast = anchored_ok(gc, r_anchor, r_last, p_hk, n_rows, HV, K, BK)
 
     # Pass 1 over K slices: Aqk, q*exp(G)*scale and k*exp(G_last - G).
     # Aqk and Akk get a pass each, so only one [BT, BT] accumulator is live

@@ -20,7 +20,8 @@ from kda_jax.batch import kernel_metadata
 from kda_jax.configs import ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
-from kda_jax.triton.launch import KernelLaunch, dot_code, interpret_mode, launch_kernel, stand_in
+from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel, stand_in,
+                                   transform_constexprs)
 from kda_jax.triton.state_args import kernel_states
 
 __all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches", "split_state_k",
@@ -82,13 +83,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             BK=min(next_pow2(kd),
                    config.prepare_block_k if sixteen_bit else config.prepare_block_k_fp32),
             BV=min(next_pow2(vd), 64),
-            SCALE=float(opts.scale),
-            USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
-            HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
-            HAS_LOWER_BOUND=opts.lower_bound is not None,
-            LOWER_BOUND=float(opts.lower_bound if opts.lower_bound is not None else 0.0),
-            BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-            BETA_SCALE=2.0 if opts.allow_neg_eigval else 1.0,
+            **transform_constexprs(opts, has_a_log=has_a_log, has_dt_bias=has_dt_bias),
             DOT_A=dot_code(config.prepare_dot if sixteen_bit else config.fp32_dot),
             DOT_WU=dot_code(config.prepare_wu_dot if sixteen_bit else config.fp32_dot),
             DOT_INV=dot_code(config.inverse_dot if sixteen_bit else config.fp32_dot),

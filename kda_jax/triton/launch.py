@@ -38,7 +38,8 @@ from kda_jax.kernels import signatures
 from kda_jax.triton import compat
 
 __all__ = ["KernelLaunch", "interpret_mode", "guard_mode", "available", "unavailable_reason",
-           "kernels", "kernel_function", "runtime_params", "launch", "launch_kernel", "stand_in"]
+           "kernels", "kernel_function", "runtime_params", "launch", "launch_kernel", "stand_in",
+           "transform_constexprs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +144,21 @@ def kernels(name: str):
         if reason is not None:
             raise RuntimeError(reason)
     return importlib.import_module(f"kda_jax.kernels.{name}")
+
+
+def transform_constexprs(opts, *, has_a_log: bool, has_dt_bias: bool) -> dict:
+    """The constexprs of the in-kernel input transforms (scale, L2 norm, gate,
+    beta sigmoid and x2) that the prepare and decode kernels share, from a
+    call's ``kda_jax.options.KdaOptions``."""
+    return dict(
+        SCALE=float(opts.scale),
+        USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
+        HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
+        HAS_LOWER_BOUND=opts.lower_bound is not None,
+        LOWER_BOUND=float(opts.lower_bound if opts.lower_bound is not None else 0.0),
+        BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
+        BETA_SCALE=2.0 if opts.allow_neg_eigval else 1.0,
+    )
 
 
 def kernel_function(kernel: str):

@@ -19,7 +19,7 @@ from kda_jax.batch import kernel_metadata
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
-from kda_jax.triton.launch import KernelLaunch, launch_kernel, stand_in
+from kda_jax.triton.launch import KernelLaunch, launch_kernel, stand_in, transform_constexprs
 from kda_jax.triton.state_args import kernel_states
 
 __all__ = ["KERNEL", "recurrent_constexprs", "recurrent_launch", "fused_recurrent_kda_triton"]
@@ -49,13 +49,7 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         H=h, HV=hv, K=kd, V=vd,
         BK=next_pow2(max(kd, 16)),
         BV=min(next_pow2(max(vd, 8)), block_v),
-        SCALE=float(opts.scale),
-        USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
-        HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
-        HAS_LOWER_BOUND=opts.lower_bound is not None,
-        LOWER_BOUND=float(opts.lower_bound if opts.lower_bound is not None else 0.0),
-        BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-        BETA_SCALE=2.0 if opts.allow_neg_eigval else 1.0,
+        **transform_constexprs(opts, has_a_log=has_a_log, has_dt_bias=has_dt_bias),
         USE_INITIAL_STATE=has_initial_state or indexed_state,
         STORE_FINAL_STATE=opts.output_final_state or indexed_state,
         STATE_V_FIRST=opts.state_v_first,
