@@ -207,3 +207,23 @@ def test_split_bf16_modes_are_valid_and_run_as_ieee_in_the_interpreter(monkeypat
     assert dot_code("tf32") == configs.DOT_MODES.index("tf32")
     monkeypatch.setenv("KDA_JAX_INTERPRET", "0")
     assert dot_code("bf16x3") == configs.DOT_MODES.index("bf16x3")
+
+
+@pytest.mark.parametrize("version, ok", [("3.5.0+rocm7.0.0", False), ("3.5.1", False),
+                                         ("3.6.0", True), ("3.10.0rc1", True)])
+def test_split_bf16_modes_need_triton_3_6(monkeypatch, version, ok):
+    """A Triton before 3.6 (a ROCm stack's own build, say) cannot compile
+    bf16x3 / bf16x6: the launch names the floor and the fix instead of failing
+    inside Triton; other modes are unaffected."""
+    import triton
+
+    from kda_jax.triton.launch import dot_code
+
+    monkeypatch.setenv("KDA_JAX_INTERPRET", "0")
+    monkeypatch.setattr(triton, "__version__", version)
+    assert dot_code("ieee") == configs.DOT_MODES.index("ieee")
+    if ok:
+        assert dot_code("bf16x6") == configs.DOT_MODES.index("bf16x6")
+    else:
+        with pytest.raises(RuntimeError, match=r"'bf16x3' products.*triton>=3\.6"):
+            dot_code("bf16x3")

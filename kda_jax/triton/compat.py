@@ -45,7 +45,14 @@ import threading
 
 from kda_jax import configs
 
-__all__ = ["install", "warp_size", "launcher_num_warps", "hip_compute_capability"]
+__all__ = ["install", "warp_size", "launcher_num_warps", "hip_compute_capability",
+           "SPLIT_BF16_MIN_TRITON", "triton_version", "check_dot_mode"]
+
+# The first Triton release whose tl.dot takes input_precision "bf16x3" and
+# "bf16x6", on NVIDIA and on AMD alike: HIPOptions.allowed_dot_input_precisions
+# is ("ieee",) in 3.4.0 and 3.5.0 and ("ieee", "bf16x3", "bf16x6") in 3.6.0
+# (triton/backends/amd/compiler.py); the NVIDIA list gains them in 3.6.0 too.
+SPLIT_BF16_MIN_TRITON = (3, 6)
 
 # Threads per warp in jaxlib's ROCm Triton launcher (jaxlib/gpu/vendor.h,
 # jax::hip::kNumThreadsPerWarp); it launches num_warps times this many.
@@ -212,3 +219,26 @@ def _hip_backend_class():
             return super().make_ttir(mod, metadata, options)
 
     return KdaHipBackend
+
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton ("3.5.0+rocm7.0.0" -> (3, 5))."""
+    import triton
+
+    parts = triton.__version__.split("+")[0].split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def check_dot_mode(mode: str) -> None:
+    """Raises when the installed Triton cannot compile product precision
+    ``mode`` (an entry of kda_jax.configs.DOT_MODES): the split-bf16 modes need
+    Triton >= 3.6, which a ROCm stack may predate (its own Triton build)."""
+    if mode in ("bf16x3", "bf16x6") and triton_version() < SPLIT_BF16_MIN_TRITON:
+        import triton
+
+        floor = ".".join(map(str, SPLIT_BF16_MIN_TRITON))
+        raise RuntimeError(
+            f"the launch config asks for {mode!r} products, which Triton {triton.__version__} "
+            f"cannot compile (input_precision {mode!r} arrived in Triton {floor}); install "
+            f"triton>={floor}, or override the config with 'ieee' products "
+            "(kda_jax.configs.override / override_backward)")

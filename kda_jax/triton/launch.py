@@ -75,9 +75,11 @@ def dot_code(mode: str) -> int:
     """The kernels' DOT constexpr for product precision ``mode`` (an entry of
     :data:`kda_jax.configs.DOT_MODES`). Triton's interpreter computes every
     product in float32 and accepts only "ieee", "tf32" and "tf32x3", so the
-    split-bf16 modes run as "ieee" there."""
+    split-bf16 modes run as "ieee" there; elsewhere they need Triton >= 3.6
+    (:func:`kda_jax.triton.compat.check_dot_mode`)."""
     if interpret_mode() and mode in ("bf16x3", "bf16x6"):
         return DOT_MODES.index("ieee")
+    compat.check_dot_mode(mode)
     return DOT_MODES.index(mode)
 
 
