@@ -86,9 +86,11 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         kernel="kda_fwd_prepare_kernel",
         constexprs=dict(
             H=h, HV=hv, K=kd, V=vd, BT=bt,
-            BK=min(next_pow2(kd), config.prepare_block_k if sixteen_bit or config.fp32_block_k is None
+            # Tiles at least 16 wide: a matrix product needs K >= 16 on a GPU.
+            BK=min(next_pow2(max(kd, 16)),
+                   config.prepare_block_k if sixteen_bit or config.fp32_block_k is None
                    else config.fp32_block_k),
-            BV=min(next_pow2(vd), 64),
+            BV=min(next_pow2(max(vd, 16)), 64),
             SCALE=float(opts.scale),
             USE_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
             HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias,
@@ -109,7 +111,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         kernel="kda_fwd_state_output_kernel",
         constexprs=dict(
             HV=hv, K=kd, V=vd, BT=bt, BK=next_pow2(max(kd, 16)) // (2 if split else 1),
-            BV=min(next_pow2(vd), _wide(config.state_block_v, config.state_block_v_wide)),
+            BV=min(next_pow2(max(vd, 16)), _wide(config.state_block_v, config.state_block_v_wide)),
             USE_INITIAL_STATE=has_initial_state or indexed_state,
             STORE_FINAL_STATE=opts.output_final_state or indexed_state,
             STATE_V_FIRST=opts.state_v_first,
