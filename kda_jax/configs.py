@@ -135,25 +135,30 @@ FORWARD = {
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
         state_block_v_fp32=16, state_warps_fp32=8, state_stages_fp32=2),
-    # sm90's tiles at 4 waves of 64 keep the prepare kernel under 256 VGPRs
-    # without spills; float32 state tiles take one stage to fit 160 KiB of LDS.
+    # AMD: every product on bf16 matrix instructions (fp32 ones run at a small
+    # fraction of their rate): bf16 w/u as on sm90, bf16x3 (about 1e-5
+    # relative) where sm90 runs tf32 (Akk/Aqk, the inverse's merge, whose X is
+    # rounded to bf16 for w/u anyway) and for float32 inputs as sm90 does;
+    # Triton >= 3.6 (kda_jax.triton.compat.check_dot_mode). gfx950: sm90's
+    # tiles at 4 waves of 64 compile without spills; float32 state tiles take
+    # one stage to fit 160 KiB of LDS.
     "gfx950": ForwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
-        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", fp32_dot="ieee",
+        prepare_dot="bf16x3", prepare_wu_dot="bf16", inverse_dot="bf16x3", fp32_dot="bf16x3",
         state_block_v=32, state_warps=2, state_stages=2,
         state_block_v_wide=32, state_warps_wide=2,
         state_block_v_fp32=32, state_warps_fp32=2, state_stages_fp32=1),
-    # gfx950's entry: the same wave64 CU, with 64 KiB of LDS.
+    # gfx950's entry: the same wave64 CU (CDNA3), with 64 KiB of LDS.
     "gfx942": ForwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
-        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", fp32_dot="ieee",
+        prepare_dot="bf16x3", prepare_wu_dot="bf16", inverse_dot="bf16x3", fp32_dot="bf16x3",
         state_block_v=32, state_warps=2, state_stages=2,
         state_block_v_wide=32, state_warps_wide=2,
         state_block_v_fp32=32, state_warps_fp32=2, state_stages_fp32=1),
     # Wave32: twice gfx950's warps for the same tiles (docs/rocm.md).
     "gfx1250": ForwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
-        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", fp32_dot="ieee",
+        prepare_dot="bf16x3", prepare_wu_dot="bf16", inverse_dot="bf16x3", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=2,
         state_block_v_wide=32, state_warps_wide=4,
         state_block_v_fp32=32, state_warps_fp32=4, state_stages_fp32=2),
@@ -468,35 +473,43 @@ BACKWARD = {
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
         wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3"),
-    # Untuned: fp32 products, 2 waves of 64 for the state passes; their float32
-    # form takes one stage to fit 160 KiB of LDS.
+    # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
+    # w/u included); float32 intermediates keep "ieee" in the state passes and
+    # the inter kernel (bf16x6 there halves occupancy or spills, for little
+    # matrix work), and the wy kernel's float32 form as on sm90. gfx950: 2
+    # waves of 64 for the state passes, whose float32 form takes one stage to
+    # fit 160 KiB of LDS.
     "gfx950": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
-        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
+        prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
+        prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=2, state_warps_wide=2, state_stages=2,
         state_stages_fp32=1, dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
-        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=4, product_dot="ieee", fp32_dot="ieee"),
-    # Untuned: 64 KiB of LDS fits the state passes at one stage and 4 waves;
-    # the intra kernel takes 16-wide K blocks (32 spill a VGPR).
+        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
+        intra_block_k=32, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee"),
+    # 64 KiB of LDS fits the state passes at one stage and 4 waves; the intra
+    # kernel takes 16-wide K blocks (32 spill a VGPR), the wy kernel 16 x 16
+    # blocks (32 x 32 halve its occupancy under bf16x3).
     "gfx942": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
-        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
+        prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
+        prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=1,
         state_stages_fp32=1, dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
-        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=4, product_dot="ieee", fp32_dot="ieee"),
-    # Untuned: wave32, twice gfx950's warps for the recompute and the wy kernel.
+        wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
+        intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee"),
+    # Wave32: twice gfx950's warps for the recompute and the wy kernel.
     "gfx1250": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
-        prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
+        prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
+        prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
-        wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="ieee", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=4, product_dot="ieee", fp32_dot="ieee"),
+        wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
+        intra_block_k=32, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee"),
     # Any other GPU: fp32 products, moderate tiles.
     "default": BackwardConfig(
         prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
