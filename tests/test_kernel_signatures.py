@@ -46,7 +46,8 @@ SPEC = KernelLaunch("kda_fused_recurrent_kernel", {}, 1, 1)
      "argument h0 must be a float32 array .* got bfloat16"),
     (lambda i, o: i.update(q=np.zeros((1, 1, 16), np.int32)), TypeError,
      "argument q must be a floating array .* got int32"),
-])
+], ids=["missing-input", "extra-input", "missing-output", "array-for-scalar",
+        "float-index", "bf16-state", "int-input"])
 def test_launch_by_name_refuses_what_does_not_fit(change, error, message):
     inputs, outputs = _decode_args()
     change(inputs, outputs)
