@@ -71,6 +71,35 @@ def _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT: tl.constexpr, HV: tl.c
 
 
 @triton.jit
+def _seq_program(meta, off_cu, off_co, n_tokens, n_chunk_rows, V: tl.constexpr,
+                 BT: tl.constexpr, BV: tl.constexpr):
+    """A state pass's program (sequence, value head, V block): (i_n, i_hv,
+    bos, eos, its first chunk row c0, n_chunks, o_v, o_t, m_v)."""
+    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
+    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    return i_n, i_hv, bos, eos, c0, n_chunks, o_v, tl.arange(0, BT), o_v < V
+
+
+@triton.jit
+def _seq_chunk(bos, eos, c0, i_t, o_t, i_hv, o_k, m_k, o_v, m_v, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Offsets and masks of chunk i_t of a state pass's sequence: (m_t, rows
+    as int64, [BT, K] and [BT, V] offsets, their masks, the chunk row i_c,
+    and the offsets of its [K, V] state in h / dS)."""
+    rows = bos + i_t * BT + o_t
+    m_t = rows < eos
+    r64 = rows.to(tl.int64)
+    p_k = (r64 * HV + i_hv)[:, None] * K + o_k[None, :]
+    p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+    i_c = (c0 + i_t).to(tl.int64)
+    p_h = ((i_c * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    return (m_t, r64, p_k, p_v, m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :], i_c,
+            p_h)
+
+
+@triton.jit
 def kda_bwd_state_kernel(
     w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows,
     h, vn,
@@ -81,12 +110,8 @@ def kda_bwd_state_kernel(
     """The forward state pass again, storing the state at each chunk's start
     (h, fp32) and v_new; one program per (sequence, value head, V block).
     SPLIT_K: the state is two [BK, BV] tiles, as the forward's."""
-    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
-    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    m_v = o_v < V
+    i_n, i_hv, bos, eos, c0, n_chunks, o_v, o_t, m_v = _seq_program(
+        meta, off_cu, off_co, n_tokens, n_chunk_rows, V, BT, BV)
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     b_h = load_state(h0, h0, 0, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV, USE_INITIAL_STATE,
                      False)
@@ -97,15 +122,8 @@ def kda_bwd_state_kernel(
                           USE_INITIAL_STATE, False)
 
     for i_t in range(0, n_chunks):
-        rows = bos + i_t * BT + o_t
-        m_t = rows < eos
-        r64 = rows.to(tl.int64)
-        p_k = (r64 * HV + i_hv)[:, None] * K + o_k[None, :]
-        p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        i_c = (c0 + i_t).to(tl.int64)
-        p_h = ((i_c * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+        m_t, r64, p_k, p_v, m_tk, m_tv, i_c, p_h = _seq_chunk(
+            bos, eos, c0, i_t, o_t, i_hv, o_k, m_k, o_v, m_v, HV, K, V, BT)
         tl.store(h + p_h, b_h, mask=m_kv)
         if SPLIT_K:
             m_tk1 = m_t[:, None] & m_k1[None, :]
@@ -140,12 +158,8 @@ def kda_bwd_dstate_kernel(
     chunks in reverse: stores dS (the cotangent of each chunk's end state,
     fp32), dv_new, and the initial state's gradient. SPLIT_K: dS is two
     [BK, BV] tiles, as the forward's state."""
-    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
-    c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    m_v = o_v < V
+    i_n, i_hv, bos, eos, c0, n_chunks, o_v, o_t, m_v = _seq_program(
+        meta, off_cu, off_co, n_tokens, n_chunk_rows, V, BT, BV)
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     # The final state's cotangent, laid out as the states are.
     b_dh = load_state(dht, dht, 0, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV, USE_FINAL_GRAD,
@@ -158,15 +172,8 @@ def kda_bwd_dstate_kernel(
 
     for s in range(0, n_chunks):
         i_t = n_chunks - 1 - s
-        rows = bos + i_t * BT + o_t
-        m_t = rows < eos
-        r64 = rows.to(tl.int64)
-        p_k = (r64 * HV + i_hv)[:, None] * K + o_k[None, :]
-        p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        i_c = (c0 + i_t).to(tl.int64)
-        p_h = ((i_c * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+        m_t, r64, p_k, p_v, m_tk, m_tv, i_c, p_h = _seq_chunk(
+            bos, eos, c0, i_t, o_t, i_hv, o_k, m_k, o_v, m_v, HV, K, V, BT)
         tl.store(dh + p_h, b_dh, mask=m_kv)
         if SPLIT_K:
             # The products with dS first, one K half at a time; the tiles used
