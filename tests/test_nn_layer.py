@@ -27,7 +27,7 @@ def make_layer(implementation="xla", **kw):
                                implementation=implementation, rngs=nnx.Rngs(0), **kw)
     # Non-trivial norm weights and gate parameters (fla's init makes them ones / tiny).
     rng = np.random.default_rng(7)
-    layer.o_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, V), jnp.float32)
+    layer.o_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, V), layer.o_norm.weight.dtype)
     layer.A_log[...] = jnp.asarray(rng.uniform(-1.0, 0.5, HV), jnp.float32)
     layer.dt_bias[...] = jnp.asarray(rng.normal(0, 0.5, HV * K), jnp.float32)
     return layer
@@ -302,3 +302,15 @@ def test_call_errors():
         layer(x, cache=(1, 2))
     with pytest.raises(ValueError, match="state_indices"):  # the API's host check
         layer(x, cache=layer.init_cache(2).at(np.array([5], np.int32)))
+
+
+def test_dense_cache_keeps_its_dtypes_in_a_decode_loop():
+    # bf16 projections write bf16 conv states; a float32 cache must stay float32
+    # (a fori_loop's carry keeps its types).
+    layer = make_layer(param_dtype=jnp.bfloat16)
+    x = _inputs(2).reshape(2, 1, HIDDEN).astype(jnp.bfloat16)
+    cache = layer.init_cache(2, dtype=jnp.float32)
+    body = lambda i, c: layer(x, cache=c)[1]
+    out = jax.jit(lambda c: jax.lax.fori_loop(0, 2, body, c))(cache)
+    assert [a.dtype for a in out[:4]] == [jnp.float32] * 4
+    assert layer.init_cache(1).conv_q.dtype == jnp.bfloat16

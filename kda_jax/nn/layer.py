@@ -137,7 +137,7 @@ class KimiDeltaAttention(nnx.Module):
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.mode, self.chunk_size = mode, int(chunk_size)
         self.state_v_first, self.implementation = bool(state_v_first), implementation
-        self.dtype = dtype
+        self.dtype, self.param_dtype = dtype, param_dtype
 
         linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype,
                                                     param_dtype=param_dtype, rngs=rngs)
@@ -182,9 +182,9 @@ class KimiDeltaAttention(nnx.Module):
         """An empty (zero) dense cache of ``num_seqs`` sequences; the same
         arrays serve as a pool of ``num_seqs`` slots through
         ``cache.at(state_indices)``. ``dtype``: the conv states' (default:
-        the layer's compute dtype, else float32)."""
+        the layer's compute dtype, else its parameters')."""
         num_seqs = _positive(num_seqs, "num_seqs")
-        dtype = dtype or self.dtype or jnp.float32
+        dtype = dtype or self.dtype or self.param_dtype
         conv = lambda c: (jnp.zeros((num_seqs, self.conv_size - 1, c), dtype)
                           if self.use_short_conv else None)
         return KDACache(conv(self.key_dim), conv(self.key_dim), conv(self.value_dim),
@@ -255,7 +255,9 @@ class KimiDeltaAttention(nnx.Module):
             return conv(x_rows, layout)[0], None
         states = getattr(cache, field)
         if not cache.is_pool:
-            return conv(x_rows, layout, states, output_final_state=True)
+            # The cache keeps its dtype step after step (a jitted loop's carry).
+            y, final = conv(x_rows, layout, states, output_final_state=True)
+            return y, final.astype(states.dtype)
         pool = conv_pool(cache, states, bounds)
         y, finals = conv(x_rows, layout, state_pool.read_states(pool), output_final_state=True)
         return y, state_pool.write_states(pool, finals)
