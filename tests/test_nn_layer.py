@@ -186,9 +186,10 @@ def test_packed_equals_one_by_one(implementation, check_close):
         _close(check_close, KDACache(*(a[i:i + 1] for a in new[:4])), new_i, f"seq {i}")
 
 
-@pytest.mark.parametrize("bucketed", [False, True])
-def test_pool_form_equals_dense_form(bucketed):
-    layer = make_layer()
+@pytest.mark.parametrize("bucketed, implementation",
+                         [(False, "xla"), (True, "xla"), (True, "triton")])
+def test_pool_form_equals_dense_form(bucketed, implementation):
+    layer = make_layer(implementation)
     lengths = [2, 1, 4]
     x = _inputs(7, seed=9)
     pool = random_cache(5, seed=4)
