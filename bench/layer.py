@@ -248,18 +248,26 @@ def main(argv=None) -> int:
     parity_rows, timing, rc = [], [], 0
     try:
         if fla is not None and not args.skip_parity:
-            parity_rows = parity(fla, config, cases, args.impl)
+            try:
+                parity_rows = parity(fla, config, cases, args.impl)
+            except FlaUnavailable as e:
+                print(f"parity failed: {e}", file=sys.stderr)
+                rc = 1
         if not args.skip_timing:
             fla_rows = {}
             if fla is not None:
-                for msg in fla.run({"job": "timing", "config": config, "tokens": tokens,
-                                    "decode_seqs": decode_seqs, "iters": args.iters,
-                                    "repeats": args.repeats}):
-                    if "row" in msg:
-                        fla_rows[msg["row"]["what"]] = msg["row"]
-                    else:
-                        print(f"fla timing: {msg}", file=sys.stderr)
-                        rc = 1
+                try:
+                    for msg in fla.run({"job": "timing", "config": config, "tokens": tokens,
+                                        "decode_seqs": decode_seqs, "iters": args.iters,
+                                        "repeats": args.repeats}):
+                        if "row" in msg:
+                            fla_rows[msg["row"]["what"]] = msg["row"]
+                        else:
+                            print(f"fla timing: {msg}", file=sys.stderr)
+                            rc = 1
+                except FlaUnavailable as e:
+                    print(f"fla timing failed: {e}", file=sys.stderr)
+                    rc = 1
             ours = our_timings(config, args.impl, tokens, decode_seqs, args.iters, args.repeats)
             timing = timing_rows(ours, fla_rows)
     finally:

@@ -103,6 +103,7 @@ def naive_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_st
     import torch.nn.functional as F
     from fla.ops.kda.naive import naive_recurrent_kda
 
+    NAIVE_CALLS[0] += 1
     out_dtype = q.dtype
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
@@ -144,18 +145,27 @@ def naive_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_st
     return o, (final.transpose(-1, -2) if state_v_first else final).contiguous()
 
 
+NAIVE_CALLS = [0]
+
+
 @contextlib.contextmanager
 def naive_ops(active: bool):
-    """fla.layers.kda's KDA functions replaced by :func:`naive_kda` inside."""
+    """fla.layers.kda's KDA functions replaced by :func:`naive_kda` inside;
+    raises if the layer called neither (a layer that no longer looks them up
+    in its module would otherwise pass its Triton results off as naive ones)."""
     import fla.layers.kda as fla_kda
 
     saved = fla_kda.chunk_kda, fla_kda.fused_recurrent_kda
+    before = NAIVE_CALLS[0]
     if active:
         fla_kda.chunk_kda = fla_kda.fused_recurrent_kda = naive_kda
     try:
         yield
     finally:
         fla_kda.chunk_kda, fla_kda.fused_recurrent_kda = saved
+    if active and NAIVE_CALLS[0] == before:
+        raise RuntimeError("fla's layer did not call fla.layers.kda.chunk_kda / "
+                           "fused_recurrent_kda: the naive path cannot be swapped in")
 
 
 def build_layer(config):
