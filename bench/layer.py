@@ -24,7 +24,12 @@ dense cache and with the cache as a pool updated in place, donated). The
 ratio is ours over fla's (target: <= 1.0).
 
 ``--smoke`` uses tiny sizes (``--impl xla --no-fla`` runs on a CPU: it checks
-the code path; CPU timings are not results).
+the code path; CPU timings are not results). ``--fla-cpu`` is the parity
+without a GPU: fla's layer on the CPU (its short-convolution and norm Triton
+kernels in Triton's interpreter, its naive float32 KDA path), GVA (4 value
+heads on 2) and V = 2 K at tiny sizes, against ours in float32 on the XLA
+path; ``--fla-python`` names a Python with torch and fla when this one has
+neither (bench/results/cpu-layer-parity.json).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import numpy as np
 
 from bench import meta as run_meta
 from bench.fla_peer import FlaPeer, FlaUnavailable
-from bench.layer_fla import CASES, FULL, SMOKE
+from bench.layer_fla import CASES, CPU, FULL, SMOKE
 from bench.timing import time_calls
 from kda_jax.testing import rel_rms
 
@@ -56,7 +61,10 @@ def our_layer(config: dict, implementation: str | None):
     from kda_jax.nn import KimiDeltaAttention
 
     return KimiDeltaAttention(config["hidden"], config["heads"], config["head_dim"],
-                              param_dtype=jnp.bfloat16, implementation=implementation,
+                              num_v_heads=config.get("v_heads"),
+                              expand_v=config.get("expand_v", 1),
+                              param_dtype=jnp.dtype(config.get("dtype", "bfloat16")),
+                              implementation=implementation,
                               mode=config.get("mode", "chunk"), rngs=nnx.Rngs(config["seed"]))
 
 
@@ -82,14 +90,15 @@ def run_ours(layer, name: str, inputs: dict) -> dict[str, np.ndarray]:
     from kda_jax.nn import to_fla_state_dict
 
     merge, params = _split(layer)
-    bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    dtype = layer.param_dtype  # bf16, or float32 against fla's layer on the CPU
+    bf16 = lambda a: jnp.asarray(a, dtype)
     if name == "decode":
         @jax.jit
         def step(params, x, cache):
             return merge(params)(x, cache=cache)
 
         x0 = bf16(inputs["x_prefill"])
-        y0, cache = step(params, x0, layer.init_cache(x0.shape[0], dtype=jnp.bfloat16))
+        y0, cache = step(params, x0, layer.init_cache(x0.shape[0], dtype=dtype))
         out = {"y_prefill": np.asarray(y0, np.float32), **_fla_cache(cache, layer, "prefill")}
         y1, cache = step(params, bf16(inputs["x_step"]), cache)
         return {**out, "y_step": np.asarray(y1, np.float32), **_fla_cache(cache, layer, "step")}
@@ -112,13 +121,16 @@ def _error(a, b, key):
     return rel_rms(a, b)
 
 
-def compare(name: str, ours: dict, triton: dict, naive: dict | None) -> list[dict]:
+def compare(name: str, ours: dict, triton: dict | None, naive: dict | None) -> list[dict]:
     """Rows of relative RMS errors for every quantity of a case."""
     rows = []
     for key in ours:
-        row = {"case": name, "quantity": key, "vs_fla_triton": _error(ours[key], triton[key], key)}
+        row = {"case": name, "quantity": key}
+        if triton is not None:
+            row["vs_fla_triton"] = _error(ours[key], triton[key], key)
         if naive is not None:
             row["vs_fla_naive_fp32"] = _error(ours[key], naive[key], key)
+        if triton is not None and naive is not None:
             row["fla_triton_vs_naive_fp32"] = _error(triton[key], naive[key], key)
         rows.append(row)
     return rows
@@ -205,13 +217,14 @@ def timing_rows(ours: dict, fla_rows: dict) -> list[dict]:
 
 def print_tables(parity_rows, timing, shapes):
     if parity_rows:
-        print("\nparity: relative RMS error (ours bf16 vs fla bf16 / vs fla naive fp32; "
-              "fla bf16 vs fla naive fp32)")
+        print("\nparity, relative RMS: ours vs fla's layer | ours vs fla's naive float32 "
+              "path | fla's layer vs its naive path")
         for r in parity_rows:
-            cols = [f"{r['vs_fla_triton']:.2e}"]
-            if "vs_fla_naive_fp32" in r:
-                cols += [f"{r['vs_fla_naive_fp32']:.2e}", f"{r['fla_triton_vs_naive_fp32']:.2e}"]
+            cols = [f"{r[k]:.2e}" if k in r else "-" for k in
+                    ("vs_fla_triton", "vs_fla_naive_fp32", "fla_triton_vs_naive_fp32")]
             print(f"  {r['case']:7s} {r['quantity']:28s} " + "  ".join(cols))
+    if not timing:
+        return
     print(f"\ntiming ({shapes}): ms")
     for r in timing:
         ratio = "" if r.get("ratio_to_fla") is None else f"  ratio {r['ratio_to_fla']:.2f}"
@@ -231,18 +244,28 @@ def main(argv=None) -> int:
     p.add_argument("--decode-seqs", type=int, default=None, help="default 256 (smoke 4)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--fla-cpu", action="store_true",
+                   help="parity only, against fla's layer on the CPU (its Triton kernels in "
+                        "the interpreter, its naive float32 path); ours in float32, XLA")
+    p.add_argument("--fla-python", default=sys.executable,
+                   help="the Python that runs fla's child (one with torch and fla)")
     p.add_argument("--mode", default="chunk", choices=("chunk", "fused_recurrent"),
                    help="our layer's mode (fused_recurrent: a quick check of the code "
                         "path on a CPU; its Triton form has no backward)")
     args = p.parse_args(argv)
     config = dict(SMOKE if args.smoke else FULL, mode=args.mode)
     cases = CASES["smoke" if args.smoke else "full"]
+    child = [args.fla_python, "-m", "bench.layer_fla"]
+    if args.fla_cpu:
+        config, cases = dict(CPU, dtype="float32", mode=args.mode), CASES["smoke"]
+        args.impl, args.skip_timing, args.no_fla = "xla", True, False
+        child.append("--cpu")
     tokens = args.tokens or (64 if args.smoke else 8192)
     decode_seqs = args.decode_seqs or (4 if args.smoke else 256)
     fla = None
     if not args.no_fla:
         try:
-            fla = FlaPeer([sys.executable, "-m", "bench.layer_fla"])
+            fla = FlaPeer(child)
         except FlaUnavailable as e:
             print(f"fla unavailable, our side only: {e}", file=sys.stderr)
     parity_rows, timing, rc = [], [], 0

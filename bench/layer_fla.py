@@ -13,14 +13,15 @@ Jobs:
       written out here), to PATH/<case>-<variant>.npz. Cases: "dense" /
       "varlen" (training mode: y, dx and every parameter's gradient for the
       cotangent dy) and "decode" (eval mode with a cache: a prefill, then one
-      token per sequence; outputs and the caches after each).
+      token per sequence; outputs and the caches after each). With --cpu:
+      on the CPU, fla's Triton kernels in the interpreter, "naive" only.
   {"job": "timing", "config": {...}, "tokens": T, "decode_seqs": N, "iters", "repeats"}
       the layer's forward and forward + backward at [1, T, hidden], and one
       decode step of N sequences with a cache; rows {"what", "ms"}.
 
 NumPy helpers at the top are shared with the parent (no torch, no JAX there).
 
-    python -m bench.layer_fla      # the child; bench.layer starts it
+    python -m bench.layer_fla [--cpu]     # the child; bench.layer starts it
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import numpy as np
 
 FULL = dict(hidden=2048, heads=16, head_dim=128, seed=0)
 SMOKE = dict(hidden=32, heads=2, head_dim=16, seed=0)
+# fla's layer on the CPU (--cpu): GVA (4 value heads on 2 q/k heads) and V = 2 K.
+CPU = dict(hidden=32, heads=2, v_heads=4, head_dim=8, expand_v=2, seed=0)
 CASES = {
     "full": {"dense": dict(b=2, t=512), "varlen": dict(lengths=[1, 63, 200, 500, 260]),
              "decode": dict(b=4, prefill=100)},
@@ -153,7 +156,8 @@ def naive_ops(active: bool):
     """fla.layers.kda's KDA functions replaced by :func:`naive_kda` inside;
     raises if the layer called neither (a layer that no longer looks them up
     in its module would otherwise pass its Triton results off as naive ones)."""
-    import fla.layers.kda as fla_kda
+    _fla_layer_class()
+    fla_kda = sys.modules["fla.layers.kda"]
 
     saved = fla_kda.chunk_kda, fla_kda.fused_recurrent_kda
     before = NAIVE_CALLS[0]
@@ -168,18 +172,65 @@ def naive_ops(active: bool):
                            "fused_recurrent_kda: the naive path cannot be swapped in")
 
 
+# "cuda", or "cpu" (python -m bench.layer_fla --cpu): fla's layer on the CPU, its
+# Triton kernels (short convolution, gated norm) in Triton's interpreter, the
+# float32 naive variant only: a check of the layer's function without a GPU.
+DEVICE = ["cuda"]
+
+
+def _cpu_setup():
+    """Before triton is imported: the interpreter, and one config per autotuned
+    kernel (the interpreter has no benchmarking driver)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.runtime.autotuner as autotuner
+
+    init = autotuner.Autotuner.__init__
+
+    def first_config_only(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.configs = self.configs[:1]
+
+    autotuner.Autotuner.__init__ = first_config_only
+    DEVICE[0] = "cpu"
+
+
+def _fla_layer_class():
+    """fla.layers.kda.KimiDeltaAttention; where fla.layers' package imports fail
+    on transformers (absent beside fla-core alone), the module is loaded by
+    itself (it does not need transformers)."""
+    try:
+        from fla.layers.kda import KimiDeltaAttention
+    except ModuleNotFoundError as e:
+        if "transformers" not in str(e):
+            raise
+        import types
+
+        import fla
+
+        for name in [m for m in sys.modules if m.startswith("fla.layers")]:
+            del sys.modules[name]
+        package = types.ModuleType("fla.layers")
+        package.__path__ = [os.path.join(os.path.dirname(fla.__file__), "layers")]
+        sys.modules["fla.layers"] = package
+        from fla.layers.kda import KimiDeltaAttention
+    return KimiDeltaAttention
+
+
 def build_layer(config):
     import torch
-    from fla.layers.kda import KimiDeltaAttention
+
+    KimiDeltaAttention = _fla_layer_class()
 
     torch.manual_seed(config["seed"])
     layer = KimiDeltaAttention(hidden_size=config["hidden"], head_dim=config["head_dim"],
-                               num_heads=config["heads"], mode="chunk", layer_idx=0)
-    return layer.to(device="cuda", dtype=torch.bfloat16)
+                               num_heads=config["heads"], num_v_heads=config.get("v_heads"),
+                               expand_v=config.get("expand_v", 1), mode="chunk", layer_idx=0)
+    return layer.to(device=DEVICE[0], dtype=torch.bfloat16)
 
 
 def _np(t):
-    return t.detach().float().cpu().numpy()
+    # A copy: on the CPU .numpy() shares memory with a tensor fla updates in place.
+    return np.array(t.detach().float().cpu().numpy())
 
 
 def _train_case(layer, inputs, dtype):
@@ -188,12 +239,13 @@ def _train_case(layer, inputs, dtype):
     layer.train()
     for p in layer.parameters():
         p.grad = None
-    x = torch.tensor(inputs["x"], device="cuda", dtype=dtype, requires_grad=True)
+    x = torch.tensor(inputs["x"], device=DEVICE[0], dtype=dtype, requires_grad=True)
     kw = {}
     if "cu_seqlens" in inputs:
-        kw["cu_seqlens"] = torch.tensor(inputs["cu_seqlens"], device="cuda", dtype=torch.long)
+        kw["cu_seqlens"] = torch.tensor(inputs["cu_seqlens"], device=DEVICE[0],
+                                        dtype=torch.long)
     y = layer(x, **kw)[0]
-    y.backward(torch.tensor(inputs["dy"], device="cuda", dtype=dtype))
+    y.backward(torch.tensor(inputs["dy"], device=DEVICE[0], dtype=dtype))
     out = {"y": _np(y), "dx": _np(x.grad)}
     out.update({f"grad/{n}": _np(p.grad) for n, p in layer.named_parameters()})
     return out
@@ -213,10 +265,10 @@ def _decode_case(layer, inputs, dtype):
     layer.eval()
     cache = LayerCache()
     with torch.no_grad():
-        x0 = torch.tensor(inputs["x_prefill"], device="cuda", dtype=dtype)
+        x0 = torch.tensor(inputs["x_prefill"], device=DEVICE[0], dtype=dtype)
         y0 = layer(x0, past_key_values=cache, use_cache=True)[0]
         out = {"y_prefill": _np(y0), **_cache_arrays(cache, "prefill")}  # copies: the step
-        x1 = torch.tensor(inputs["x_step"], device="cuda", dtype=dtype)  # updates in place
+        x1 = torch.tensor(inputs["x_step"], device=DEVICE[0], dtype=dtype)  # updates in place
         y1 = layer(x1, past_key_values=cache, use_cache=True)[0]
     out.update({"y_step": _np(y1), **_cache_arrays(cache, "step")})
     return out
@@ -236,8 +288,10 @@ def parity_job(job):
         inputs = {k: (v if k == "cu_seqlens" else
                       torch.tensor(v).bfloat16().float().numpy()) for k, v in inputs.items()}
         np.savez(os.path.join(directory, f"{name}-inputs.npz"), **inputs)
-        for variant, model, dtype in (("triton", layer, torch.bfloat16),
-                                      ("naive", reference, torch.float32)):
+        variants = [("naive", reference, torch.float32)]
+        if DEVICE[0] == "cuda":
+            variants.insert(0, ("triton", layer, torch.bfloat16))
+        for variant, model, dtype in variants:
             run = _decode_case if name == "decode" else _train_case
             with naive_ops(variant == "naive"):
                 result = run(model, inputs, dtype)
@@ -300,6 +354,8 @@ JOBS = {"parity": parity_job, "timing": timing_job}
 
 
 def child_main():
+    if "--cpu" in sys.argv[1:]:
+        _cpu_setup()
     import torch
 
     from bench.meta import versions
