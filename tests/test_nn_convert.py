@@ -56,13 +56,15 @@ def test_state_dict_round_trip_and_layouts(conv_bias):
                                   sd["f_proj.1.weight"].T)
 
 
-def test_prefix_and_dtype():
-    sd = {"model.layers.0.attn." + k: v for k, v in fla_state_dict(False).items()}
+def test_prefix():
+    # (bf16 parameters: tests/test_bench_layer.py loads fla's weights into them.)
+    sd = {"model.layers.0.attn." + k: v.astype(np.float64) for k, v in
+          fla_state_dict(False).items()}
     sd["model.layers.0.mlp.weight"] = np.zeros(3)  # another module's key: not under the prefix
-    layer = from_fla_state_dict(sd, make_layer(param_dtype=jnp.bfloat16),
-                                prefix="model.layers.0.attn.")
-    assert layer.o_proj.kernel[...].dtype == jnp.bfloat16
-    assert layer.A_log[...].dtype == jnp.float32
+    layer = from_fla_state_dict(sd, make_layer(), prefix="model.layers.0.attn.")
+    assert layer.o_proj.kernel[...].dtype == jnp.float32  # cast to the parameter's dtype
+    np.testing.assert_array_equal(np.asarray(layer.A_log[...]),
+                                  sd["model.layers.0.attn.A_log"].astype(np.float32))
 
 
 def test_state_dict_errors_name_the_key():

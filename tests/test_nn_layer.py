@@ -173,7 +173,7 @@ def test_prefill_then_decode_equals_one_prefill(implementation, monkeypatch, che
         monkeypatch.setattr(layer_module, "RECURRENT_MAX_TOKENS", 2)
     layer = make_layer(implementation)
     x = _inputs(16).reshape(2, 8, HIDDEN)
-    full = call(layer, x)
+    full, whole = call(layer, x, cache=layer.init_cache(2))
     y, cache = call(layer, x[:, :5], cache=layer.init_cache(2))
     ys = [y]
     step = jax.jit(lambda x, c: layer(x, cache=c))
@@ -181,7 +181,6 @@ def test_prefill_then_decode_equals_one_prefill(implementation, monkeypatch, che
         y, cache = step(x[:, t:t + 1], cache)
         ys.append(y)
     check_close(jnp.concatenate(ys, axis=1), full, "float32", "y prefill+decode")
-    _, whole = call(layer, x, cache=layer.init_cache(2))
     _close(check_close, cache, whole, "prefill+decode")
 
 
@@ -328,7 +327,7 @@ def test_call_errors():
 def test_dense_cache_keeps_its_dtypes_in_a_decode_loop():
     # bf16 projections write bf16 conv states; a float32 cache must stay float32
     # (a fori_loop's carry keeps its types).
-    layer = make_layer(param_dtype=jnp.bfloat16)
+    layer = make_layer(dtype=jnp.bfloat16)
     x = _inputs(2).reshape(2, 1, HIDDEN).astype(jnp.bfloat16)
     cache = layer.init_cache(2, dtype=jnp.float32)
     body = lambda i, c: layer(x, cache=c)[1]
