@@ -703,6 +703,17 @@ chunk_kda.__doc__ = (
     + _ARGS_DOC
     + """      chunk_size: a Python int (or NumPy integer), 32 or 64; a float, bool or
         array raises TypeError.
+      context_axis: None, or a mesh axis name: context parallel inside
+        ``jax.shard_map``, each device of the axis holding a contiguous 1/n
+        of every row's tokens (q..beta ``[B, T / n, ...]``; cu_seqlens the
+        global host bounds of all ``T`` packed tokens; initial_state the same
+        on every device). Sequences may cross devices; o is this device's
+        rows, final_state all N sequences' on every device. Not with
+        state_cache or a VarlenBatch; on the Triton path V + K <= 256.
+        docs/kda.md section 7.
+
+    Long sequences with few heads run as parallel segments on the Triton
+    path (docs/kda.md section 7; kda_jax.configs.SegmentConfig).
 """
 )
 

@@ -55,7 +55,10 @@ def _loss(fn, w_o, w_f):
     return loss
 
 
-def _compare(mesh, x, impl, cu, check_close, check_rel_rms, **kw):
+def _compare(mesh, x, impl, cu, check_close, check_rel_rms, *, grads=True, unsharded=False,
+             **kw):
+    """The sharded call against the reference (forward, and gradients with
+    ``grads``) and, with ``unsharded``, against the same backend unsharded."""
     args = (*x.args(), x.initial_state)
     put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
     sharded_args = [put(a, TOK) for a in args[:5]] + [put(args[5], P())]
@@ -68,11 +71,13 @@ def _compare(mesh, x, impl, cu, check_close, check_rel_rms, **kw):
     ro, rf = reference(*f32)
     check_close(o, ro, "float32", "o")
     check_close(f, rf, "float32", "final_state")
-    # The unsharded call of the same backend.
-    whole = lambda q, k, v, g, b, h: _call(impl, cu, **kw)(q, k, v, g, b, initial_state=h)
-    uo, uf = jax.jit(whole)(*args)
-    check_close(o, uo, "float32", "o vs unsharded")
-    check_close(f, uf, "float32", "final_state vs unsharded")
+    if unsharded:
+        whole = lambda q, k, v, g, b, h: _call(impl, cu, **kw)(q, k, v, g, b, initial_state=h)
+        uo, uf = jax.jit(whole)(*args)
+        check_close(o, uo, "float32", "o vs unsharded")
+        check_close(f, uf, "float32", "final_state vs unsharded")
+    if not grads:
+        return
 
     rng = np.random.default_rng(5)
     w_o = rng.standard_normal(ro.shape).astype(np.float32)
@@ -90,42 +95,37 @@ def test_xla_varlen_crossing_and_empty_sequences(mesh, check_close, check_rel_rm
 
 
 def test_xla_dense_rows_state_v_first(mesh, check_close, check_rel_rms):
-    """Dense B = 2 (each row one sequence over all 4 devices), V-first states."""
+    """Dense B = 2 (each row one sequence over all 4 devices), V-first states
+    (forward; the gradients' path is the varlen tests')."""
     x = make_inputs(1, B=2, T=64, H=1, HV=2, K=16, V=8, state_v_first=True)
-    _compare(mesh, x, "xla", None, check_close, check_rel_rms, state_v_first=True)
+    _compare(mesh, x, "xla", None, check_close, check_rel_rms, grads=False,
+             state_v_first=True)
 
 
 @needs_triton
 def test_triton_varlen(mesh, check_close, check_rel_rms):
     x = make_inputs(2, B=1, T=96, H=1, K=16, V=16, N=len(CU) - 1)
-    _compare(mesh, x, "triton", CU, check_close, check_rel_rms)
+    _compare(mesh, x, "triton", CU, check_close, check_rel_rms, unsharded=True)
 
 
 def test_nonfinite_on_a_device_boundary_piece(mesh):
     """A NaN in the piece that leaves device 0: sequence 1 is NaN from that
-    token on, on every device it reaches; everything else, and the gradients,
-    as the unsharded call's."""
+    token on, on every device it reaches (the flag crosses the fold);
+    everything else as the unsharded call's."""
     x = make_inputs(3, B=1, T=96, H=1, K=16, V=16, N=len(CU) - 1)
     x.k[0, 20, 0, 2] = np.nan
     args = (*x.args(), x.initial_state)
     put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
     sharded_args = [put(a, TOK) for a in args[:5]] + [put(args[5], P())]
-    cp = _sharded(mesh, _call("xla", CU))
     whole = lambda q, k, v, g, b, h: _call("xla", CU)(q, k, v, g, b, initial_state=h)
-    o, f = (np.asarray(y) for y in jax.jit(cp)(*sharded_args))
+    o, f = (np.asarray(y) for y in jax.jit(_sharded(mesh, _call("xla", CU)))(*sharded_args))
     uo, uf = (np.asarray(y) for y in jax.jit(whole)(*args))
     np.testing.assert_array_equal(np.isnan(o), np.isnan(uo))
     np.testing.assert_array_equal(np.isnan(f), np.isnan(uf))
     assert np.isnan(o[0, 20:70]).all() and not np.isnan(o[0, 70:]).any()
-    w_o = np.ones(uo.shape, np.float32)
-    w_f = np.ones(uf.shape, np.float32)
-    masked = lambda fn: lambda *a: tuple(jnp.where(jnp.isnan(y), 0.0, y) for y in fn(*a))
-    got = jax.jit(jax.grad(_loss(masked(cp), w_o, w_f), argnums=tuple(range(6))))(
-        *sharded_args)
-    want = jax.jit(jax.grad(_loss(masked(whole), w_o, w_f), argnums=tuple(range(6))))(*args)
-    for name, a, b in zip(NAMES, got, want):
-        assert np.isfinite(a).all(), name
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=name)
+    assert np.isnan(f[1]).all() and not np.isnan(f[2:]).any()
+    ok = ~np.isnan(uo)
+    np.testing.assert_allclose(o[ok], uo[ok], rtol=1e-4, atol=1e-5)
 
 
 def test_errors(mesh):

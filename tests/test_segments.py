@@ -5,6 +5,7 @@ the Triton path (interpreter on the CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -133,11 +134,13 @@ def _run(x, cu, impl, forced: bool, grads: bool = True):
     return o, f, (g, w_o, w_f)
 
 
-def _reference(x, cu, w_o, w_f):
+def _reference(x, cu, w_o, w_f, grads=True):
     f64 = lambda a: np.asarray(a, np.float32)
     args = [f64(a) for a in (*x.args(), x.initial_state)]
     o, f = kda_jax.naive_recurrent_kda(*args[:5], initial_state=args[5],
                                        output_final_state=True, cu_seqlens=cu)
+    if not grads:
+        return o, f, None
     g = jax.grad(_loss(kda_jax.naive_recurrent_kda, x, cu, w_o, w_f),
                  argnums=tuple(range(6)))(*args)
     return o, f, g
@@ -149,12 +152,17 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 @pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.skipif(
     unavailable_reason() is not None, reason="Triton path unavailable"))])
 def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel_rms):
+    """Forward against the reference and the unsegmented call; gradients on the
+    Triton path (the composition's autodiff is the same on both paths, and the
+    XLA path's gradients meet the segments in the NaN test below)."""
     x = _inputs(0, T=140, N=4, gates=True)
-    o, f, (g, w_o, w_f) = _run(x, CU, impl, forced=True)
-    ro, rf, rg = _reference(x, CU, w_o, w_f)
+    o, f, grads = _run(x, CU, impl, forced=True, grads=impl == "triton")
+    w_o, w_f = (grads[1], grads[2]) if grads else (np.ones(o.shape, np.float32), None)
+    ro, rf, rg = _reference(x, CU, w_o, w_f if grads else np.ones(f.shape, np.float32),
+                            grads=bool(grads))
     check_close(o, ro, "float32", "o")
     check_close(f, rf, "float32", "final_state")
-    for name, got, want in zip(NAMES, g, rg):
+    for name, got, want in zip(NAMES, grads[0] if grads else (), rg or ()):
         check_rel_rms(got, want, 1e-4, f"d{name}")
     # The unsegmented call: the same function within float32 rounding.
     uo, uf, _ = _run(x, CU, impl, forced=False, grads=False)
@@ -196,23 +204,26 @@ def test_segmented_nonfinite_matches_unsegmented():
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
-def test_rule_picks_segments_automatically(monkeypatch):
-    """chunk_kda takes the segmented schedule when the config's rule says so
-    (here: under 1000 programs, the XLA path), and not otherwise."""
-    calls = []
-    real = segmented.chunk_segmented
-    monkeypatch.setattr(segmented, "chunk_segmented",
-                        lambda *a, **kw: calls.append(kw["plan"]) or real(*a, **kw))
+def test_rule_picks_segments_automatically():
+    """chunk_kda's plan (kda_jax.api._segment_plan) follows the config's rule:
+    under min_programs segmented (on the XLA path only with xla=True), else
+    not; never with a pool."""
+    from kda_jax import api
+    from kda_jax.options import KdaOptions
+
     x = make_inputs(2, B=1, T=300, H=1, K=16, V=16)
-    run = lambda: kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="xla")
-    with configs.override_segments(configs.SegmentConfig(
-            min_programs=1000, target_programs=4, min_segment_chunks=2, xla=True)):
-        run()
-    assert len(calls) == 1 and calls[0].num_segments == 4  # 10 chunks -> 3, 3, 2, 2
-    with configs.override_segments(configs.SegmentConfig(min_programs=1, xla=True)):
-        run()
-    run()  # the CPU's default config: no segments
-    assert len(calls) == 1
+    opts = KdaOptions(scale=0.25, chunk_size=32)
+    plan = lambda backend: api._segment_plan(backend, SeqBounds([0, 300]), None, opts,
+                                             x.q, x.v)
+    rule = configs.SegmentConfig(min_programs=1000, target_programs=4, min_segment_chunks=2)
+    with configs.override_segments(dataclasses.replace(rule, xla=True)):
+        assert plan("xla").segments.lengths.tolist() == [96, 96, 64, 44]  # 10 chunks
+        assert plan("triton").num_segments == 4
+    with configs.override_segments(rule):
+        assert plan("xla") is None and plan("triton") is not None
+    with configs.override_segments(dataclasses.replace(rule, min_programs=1)):
+        assert plan("triton") is None
+    assert plan("xla") is None  # the CPU's default config: no segments
 
 
 def test_segment_config_checks():
@@ -223,3 +234,42 @@ def test_segment_config_checks():
     with pytest.raises(TypeError, match="SegmentConfig"):
         with configs.override_segments(configs.ForwardConfig()):
             pass
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
+def test_bench_forward_times_segmented_against_unsegmented(tmp_path, monkeypatch):
+    """bench.forward's triton-noseg (today's single pass) and triton-seq rows
+    (one call each here: the interpreter is slow)."""
+    from bench import forward, sweep
+
+    traced = []
+    real = segmented.chunk_segmented
+    monkeypatch.setattr(segmented, "chunk_segmented",
+                        lambda *a, **kw: traced.append(kw["plan"]) or real(*a, **kw))
+    monkeypatch.setattr(forward, "time_jax", lambda fn, *a: float(
+        np.asarray(jax.block_until_ready(fn(*a))).size > 0))
+    out = tmp_path / "f.json"
+    forward.main(["--impls", "triton-noseg,triton-seq", "--shapes", "1,130,1", "--head-dim",
+                  "16", "--segment-chunks", "1", "--json", str(out)])
+    import json
+    rows = json.loads(out.read_text())
+    assert [r["implementation"] for r in rows] == ["kda_jax-triton-noseg", "kda_jax-triton-seq"]
+    assert all(r["ms"] for r in rows), rows
+    assert [p.num_segments for p in traced] == [3]  # 130 tokens at chunk 64: 64, 64, 2
+    assert sweep.implementation("xla")[0] == "xla"
+
+
+def test_segmented_with_every_input_transform(check_close):
+    """The in-kernel transforms (gate with A_log and dt_bias, L2 norm, beta
+    sigmoid, negative eigenvalues) act per token: segments change nothing."""
+    x = make_inputs(4, B=1, T=140, H=1, HV=2, K=16, V=16, N=4, raw_gate=True,
+                    normalized_k=False, beta_logits=True)
+    kw = dict(use_gate_in_kernel=True, A_log=x.A_log, dt_bias=x.dt_bias,
+              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              allow_neg_eigval=True, initial_state=x.initial_state, output_final_state=True,
+              cu_seqlens=CU)
+    ro, rf = kda_jax.naive_recurrent_kda(*x.args(), **kw)
+    with configs.override_segments(FORCED):
+        o, f = kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="xla", **kw)
+    check_close(o, ro, "float32", "o")
+    check_close(f, rf, "float32", "final_state")
