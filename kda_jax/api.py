@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax.batch import VarlenBatch, mask_padding, num_seqs
-from kda_jax.bounds import SeqBounds, as_seq_bounds, next_pow2
+from kda_jax.bounds import SeqBounds, as_seq_bounds
 from kda_jax.options import KdaOptions
-from kda_jax import configs, context_parallel, segmented, segments, xla
+from kda_jax import configs, context_parallel, segmented, xla
 from kda_jax import pool as state_pool
 from kda_jax import triton as kda_triton
 
@@ -523,31 +523,6 @@ def _chunk_segmented(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, p
                                      initial_state, A_log, dt_bias, opts=opts, plan=plan)
 
 
-def _segment_plan(backend: str, bounds, pool, opts: KdaOptions, q, v):
-    """The segment plan of a call (kda_jax.segments.segment_chunks with the
-    current kda_jax.configs.SegmentConfig), or None: the call runs as one pass.
-    Host bounds only (the serving forms stay unsegmented); on the Triton path
-    only where V + K fits the kernels."""
-    if pool is not None or not isinstance(bounds, SeqBounds):
-        return None
-    cfg = configs.segment_config()
-    kd, vd, hv = q.shape[-1], v.shape[-1], v.shape[-2]
-    if backend == "xla":
-        if not cfg.xla:
-            return None
-        v_blocks = 1
-    else:
-        if vd + kd > TRITON_MAX_HEAD_DIM:
-            return None
-        block_v = configs.forward_config(chunk_size=opts.chunk_size).state_block_v
-        v_blocks = -(-vd // min(block_v, next_pow2(vd)))
-    per = segments.segment_chunks(
-        bounds, opts.chunk_size, hv=hv, programs_per_seq_head=v_blocks,
-        min_programs=cfg.min_programs, target_programs=cfg.target_programs,
-        min_segment_chunks=cfg.min_segment_chunks, forced_segment_chunks=cfg.segment_chunks)
-    return None if per is None else segments.segment_plan(bounds, opts.chunk_size, per)
-
-
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _recurrent_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
                    bounds):
@@ -657,7 +632,7 @@ def chunk_kda(
     state_v_first=False, chunk_size=64, cu_seqlens=None, state_cache=None, state_indices=None,
     has_initial_state=None, implementation=None, context_axis=None,
 ):
-    devices = context_parallel.axis_devices(context_axis)
+    devices = context_parallel.axis_devices(context_axis, cu_seqlens)
     opts, bounds, pool = _check_call(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state,
@@ -679,11 +654,12 @@ def chunk_kda(
         config = configs.forward_config(chunk_size=opts.chunk_size)
         bwd_config = configs.backward_config(chunk_size=opts.chunk_size)
     if context_axis is not None:
-        context_parallel.check_call(bounds, pool, backend, q, v, TRITON_MAX_HEAD_DIM)
+        context_parallel.check_call(pool, backend, q, v, TRITON_MAX_HEAD_DIM)
         return context_parallel.chunk_kda_context(
             _core(backend, config, bwd_config), *args[:-1], opts=opts, bounds=bounds,
             rows=q.shape[0], axis=context_axis, devices=devices)
-    plan = _segment_plan(backend, bounds, pool, opts, q, v)
+    plan = segmented.plan_call(backend, bounds, pool, opts, q.shape[-1], v.shape[-2],
+                               v.shape[-1], TRITON_MAX_HEAD_DIM)
     if plan is not None:
         return _chunk_segmented(*args[:-1], opts=opts, plan=plan, backend=backend,
                                 config=config, bwd_config=bwd_config)

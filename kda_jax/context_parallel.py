@@ -36,13 +36,18 @@ from kda_jax.segments import context_plan
 __all__ = ["axis_devices", "check_call", "chunk_kda_context"]
 
 
-def axis_devices(axis) -> int:
+def axis_devices(axis, cu_seqlens=None) -> int:
     """The number of devices on mesh axis ``axis`` (1 for None); raises when
-    the call is not inside a ``jax.shard_map`` binding that axis."""
+    the call is not inside a ``jax.shard_map`` binding that axis, or with a
+    VarlenBatch (checked first: the bounds' checks assume global host bounds)."""
     if axis is None:
         return 1
     if not isinstance(axis, str):
         raise TypeError(f"context_axis must be a mesh axis name (a str) or None, got {axis!r}")
+    if isinstance(cu_seqlens, VarlenBatch):
+        raise ValueError(
+            "context_axis with a VarlenBatch as cu_seqlens is not supported; pass the "
+            "global host bounds (a SeqBounds, NumPy array or list)")
     try:
         return int(jax.lax.axis_size(axis))
     except NameError:
@@ -53,17 +58,14 @@ def axis_devices(axis) -> int:
         ) from None
 
 
-def check_call(bounds, pool, backend: str, q, v, max_head_dim: int):
-    """What context parallelism does not serve, as errors naming the fix."""
+def check_call(pool, backend: str, q, v, max_head_dim: int):
+    """What context parallelism does not serve (beyond :func:`axis_devices`'
+    checks), as errors naming the fix."""
     if pool is not None:
         raise ValueError(
             "context_axis with state_cache is not supported (the pool's rows would be "
             "written by the device holding each sequence's end); pass initial_state and "
             "output_final_state=True instead")
-    if isinstance(bounds, VarlenBatch):
-        raise ValueError(
-            "context_axis with a VarlenBatch as cu_seqlens is not supported; pass the "
-            "global host bounds (a SeqBounds, NumPy array or list)")
     kd, vd = q.shape[-1], v.shape[-1]
     if backend == "triton" and kd + vd > max_head_dim:
         raise ValueError(

@@ -135,6 +135,9 @@ def test_errors(mesh):
         kda_jax.chunk_kda(*args, context_axis="cp", implementation="xla")
     with pytest.raises(TypeError, match="context_axis"):
         kda_jax.chunk_kda(*args, context_axis=3, implementation="xla")
+    batch = kda_jax.VarlenBatch.from_lengths([96], kda_jax.Bucket(max_seqs=1, max_tokens=96))
+    with pytest.raises(ValueError, match="VarlenBatch"):
+        kda_jax.chunk_kda(*args, cu_seqlens=batch, context_axis="cp", implementation="xla")
 
     def inside(fn):
         put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, TOK))

@@ -205,20 +205,19 @@ def test_segmented_nonfinite_matches_unsegmented():
 
 
 def test_rule_picks_segments_automatically():
-    """chunk_kda's plan (kda_jax.api._segment_plan) follows the config's rule:
-    under min_programs segmented (on the XLA path only with xla=True), else
-    not; never with a pool."""
-    from kda_jax import api
+    """chunk_kda's plan (kda_jax.segmented.plan_call) follows the config's
+    rule: under min_programs segmented (on the XLA path only with xla=True),
+    else not; on the Triton path only where V + K fits."""
     from kda_jax.options import KdaOptions
 
-    x = make_inputs(2, B=1, T=300, H=1, K=16, V=16)
     opts = KdaOptions(scale=0.25, chunk_size=32)
-    plan = lambda backend: api._segment_plan(backend, SeqBounds([0, 300]), None, opts,
-                                             x.q, x.v)
+    plan = lambda backend, max_dim=256: segmented.plan_call(
+        backend, SeqBounds([0, 300]), None, opts, 16, 1, 16, max_dim)
     rule = configs.SegmentConfig(min_programs=1000, target_programs=4, min_segment_chunks=2)
     with configs.override_segments(dataclasses.replace(rule, xla=True)):
         assert plan("xla").segments.lengths.tolist() == [96, 96, 64, 44]  # 10 chunks
         assert plan("triton").num_segments == 4
+        assert plan("triton", max_dim=31) is None  # V + K = 32 columns do not fit
     with configs.override_segments(rule):
         assert plan("xla") is None and plan("triton") is not None
     with configs.override_segments(dataclasses.replace(rule, min_programs=1)):
