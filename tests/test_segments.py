@@ -111,7 +111,7 @@ def _inputs(seed, *, T, N, gates=False, **kw):
     return x
 
 
-def _loss(fn, x, cu, w_o, w_f):
+def _loss(fn, cu, w_o, w_f):
     def loss(q, k, v, g, beta, h0):
         o, f = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(f * w_f)
@@ -130,18 +130,17 @@ def _run(x, cu, impl, forced: bool, grads: bool = True):
         rng = np.random.default_rng(7)
         w_o = rng.standard_normal(o.shape).astype(np.float32)
         w_f = rng.standard_normal(f.shape).astype(np.float32)
-        g = jax.jit(jax.grad(_loss(fn, x, cu, w_o, w_f), argnums=tuple(range(6))))(*args)
+        g = jax.jit(jax.grad(_loss(fn, cu, w_o, w_f), argnums=tuple(range(6))))(*args)
     return o, f, (g, w_o, w_f)
 
 
 def _reference(x, cu, w_o, w_f, grads=True):
-    f64 = lambda a: np.asarray(a, np.float32)
-    args = [f64(a) for a in (*x.args(), x.initial_state)]
+    args = [np.asarray(a, np.float32) for a in (*x.args(), x.initial_state)]
     o, f = kda_jax.naive_recurrent_kda(*args[:5], initial_state=args[5],
                                        output_final_state=True, cu_seqlens=cu)
     if not grads:
         return o, f, None
-    g = jax.grad(_loss(kda_jax.naive_recurrent_kda, x, cu, w_o, w_f),
+    g = jax.grad(_loss(kda_jax.naive_recurrent_kda, cu, w_o, w_f),
                  argnums=tuple(range(6)))(*args)
     return o, f, g
 
@@ -156,14 +155,15 @@ def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel
     Triton path (the composition's autodiff is the same on both paths, and the
     XLA path's gradients meet the segments in the NaN test below)."""
     x = _inputs(0, T=140, N=4, gates=True)
-    o, f, grads = _run(x, CU, impl, forced=True, grads=impl == "triton")
-    w_o, w_f = (grads[1], grads[2]) if grads else (np.ones(o.shape, np.float32), None)
-    ro, rf, rg = _reference(x, CU, w_o, w_f if grads else np.ones(f.shape, np.float32),
-                            grads=bool(grads))
+    with_grads = impl == "triton"
+    o, f, grads = _run(x, CU, impl, forced=True, grads=with_grads)
+    weights = grads[1:] if with_grads else (None, None)
+    ro, rf, rg = _reference(x, CU, *weights, grads=with_grads)
     check_close(o, ro, "float32", "o")
     check_close(f, rf, "float32", "final_state")
-    for name, got, want in zip(NAMES, grads[0] if grads else (), rg or ()):
-        check_rel_rms(got, want, 1e-4, f"d{name}")
+    if with_grads:
+        for name, got, want in zip(NAMES, grads[0], rg):
+            check_rel_rms(got, want, 1e-4, f"d{name}")
     # The unsegmented call: the same function within float32 rounding.
     uo, uf, _ = _run(x, CU, impl, forced=False, grads=False)
     check_close(o, uo, "float32", "o vs unsegmented")
