@@ -143,15 +143,12 @@ def chunk_segmented(core, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     f32 = jnp.float32
     flat = lambda x: x.reshape((1, b * t) + x.shape[2:])
     n = plan.bounds.num_seqs
-    s = plan.num_segments
 
-    h0 = None
+    h_seq = jnp.zeros((n, hv, kd, vd), f32)  # [N, HV, K, V]: each sequence's initial state
     if initial_state is not None:
-        h0 = initial_state.astype(f32)
+        h_seq = initial_state.astype(f32)
         if opts.state_v_first:
-            h0 = jnp.swapaxes(h0, -1, -2)
-    zeros_h = jnp.zeros((n, hv, kd, vd), f32)
-    h_seq = zeros_h if h0 is None else h0
+            h_seq = jnp.swapaxes(h_seq, -1, -2)
     first = jnp.asarray(plan.first)
     h_left = jnp.where(first[:, None, None, None], _take(h_seq, plan.seq), 0.0)
     h_aug = augmented_states(h_left, ~plan.first, kd)
