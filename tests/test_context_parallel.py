@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kda_jax
@@ -33,7 +33,11 @@ needs_triton = pytest.mark.skipif(unavailable_reason() is not None,
 def mesh():
     if len(jax.devices()) < DEVICES:
         pytest.skip(f"needs {DEVICES} devices (tests/conftest.py forces host devices)")
-    return jax.make_mesh((DEVICES,), ("cp",))
+    return _mesh(DEVICES)
+
+
+def _mesh(devices):
+    return Mesh(np.asarray(jax.devices()[:devices]), ("cp",))
 
 
 def _call(impl, cu, **kw):
@@ -48,23 +52,37 @@ def _sharded(mesh, fn):
                          out_specs=(TOK, P()), check_vma=False)
 
 
-def _loss(fn, w_o, w_f):
-    def loss(q, k, v, g, b, h):
+def _loss(fn):
+    def loss(q, k, v, g, b, h, w_o, w_f):
         o, f = fn(q, k, v, g, b, h)
         return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(f * w_f)
     return loss
 
 
-def _compare(mesh, x, impl, cu, check_close, check_rel_rms, *, grads=True, unsharded=False,
-             **kw):
-    """The sharded call against the reference (forward, and gradients with
-    ``grads``) and, with ``unsharded``, against the same backend unsharded."""
+@functools.lru_cache(maxsize=None)
+def _compiled(impl, cu, devices, kw=()):
+    """Jitted (sharded forward, unsharded forward, sharded gradients) of one
+    configuration, shared by the tests that use it (compiles are the cost)."""
+    fn = _call(impl, None if cu is None else list(cu), **dict(kw))
+    cp = _sharded(_mesh(devices), fn)
+    whole = lambda q, k, v, g, b, h: fn(q, k, v, g, b, initial_state=h)
+    return jax.jit(cp), jax.jit(whole), jax.jit(jax.grad(_loss(cp), argnums=tuple(range(6))))
+
+
+def _placed(mesh, x):
     args = (*x.args(), x.initial_state)
     put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
-    sharded_args = [put(a, TOK) for a in args[:5]] + [put(args[5], P())]
-    cp = _sharded(mesh, _call(impl, cu, **kw))
-    o, f = jax.jit(cp)(*sharded_args)
+    return args, [put(a, TOK) for a in args[:5]] + [put(args[5], P())]
 
+
+def _compare(x, impl, cu, check_close, check_rel_rms, *, devices=DEVICES, grads=True,
+             unsharded=False, **kw):
+    """The sharded call against the reference (forward, and gradients with
+    ``grads``) and, with ``unsharded``, against the same backend unsharded."""
+    cp, whole, cp_grad = _compiled(impl, None if cu is None else tuple(cu), devices,
+                                   tuple(sorted(kw.items())))
+    args, sharded_args = _placed(_mesh(devices), x)
+    o, f = cp(*sharded_args)
     reference = lambda q, k, v, g, b, h: kda_jax.naive_recurrent_kda(
         q, k, v, g, b, initial_state=h, output_final_state=True, cu_seqlens=cu, **kw)
     f32 = [np.asarray(a, np.float32) for a in args]
@@ -72,54 +90,49 @@ def _compare(mesh, x, impl, cu, check_close, check_rel_rms, *, grads=True, unsha
     check_close(o, ro, "float32", "o")
     check_close(f, rf, "float32", "final_state")
     if unsharded:
-        whole = lambda q, k, v, g, b, h: _call(impl, cu, **kw)(q, k, v, g, b, initial_state=h)
-        uo, uf = jax.jit(whole)(*args)
+        uo, uf = whole(*args)
         check_close(o, uo, "float32", "o vs unsharded")
         check_close(f, uf, "float32", "final_state vs unsharded")
     if not grads:
         return
-
     rng = np.random.default_rng(5)
-    w_o = rng.standard_normal(ro.shape).astype(np.float32)
-    w_f = rng.standard_normal(rf.shape).astype(np.float32)
-    argnums = tuple(range(6))
-    got = jax.jit(jax.grad(_loss(cp, w_o, w_f), argnums=argnums))(*sharded_args)
-    want = jax.grad(_loss(reference, w_o, w_f), argnums=argnums)(*f32)
+    w = (rng.standard_normal(ro.shape).astype(np.float32),
+         rng.standard_normal(rf.shape).astype(np.float32))
+    got = cp_grad(*sharded_args, *w)
+    want = jax.jit(jax.grad(_loss(reference), argnums=tuple(range(6))))(*f32, *w)
     for name, a, b in zip(NAMES, got, want):
         check_rel_rms(a, b, 1e-4, f"d{name}")
 
 
 def test_xla_varlen_crossing_and_empty_sequences(mesh, check_close, check_rel_rms):
+    """Forward (the gradients: the dense test below, and the Triton path's)."""
     x = make_inputs(0, B=1, T=96, H=1, HV=2, K=16, V=16, N=len(CU) - 1, gate_floor=-1e4)
-    _compare(mesh, x, "xla", CU, check_close, check_rel_rms)
+    _compare(x, "xla", CU, check_close, check_rel_rms, grads=False, unsharded=True)
 
 
-def test_xla_dense_rows_state_v_first(mesh, check_close, check_rel_rms):
-    """Dense B = 2 (each row one sequence over all 4 devices), V-first states
-    (forward; the gradients' path is the varlen tests')."""
+def test_xla_dense_rows_state_v_first_grads(mesh, check_close, check_rel_rms):
+    """Dense B = 2 (each row one sequence crossing the boundary), V-first
+    states, forward and gradients, over 2 of the devices (half the compile)."""
     x = make_inputs(1, B=2, T=64, H=1, HV=2, K=16, V=8, state_v_first=True)
-    _compare(mesh, x, "xla", None, check_close, check_rel_rms, grads=False,
-             state_v_first=True)
+    _compare(x, "xla", None, check_close, check_rel_rms, devices=2, state_v_first=True)
 
 
 @needs_triton
 def test_triton_varlen(mesh, check_close, check_rel_rms):
     x = make_inputs(2, B=1, T=96, H=1, K=16, V=16, N=len(CU) - 1)
-    _compare(mesh, x, "triton", CU, check_close, check_rel_rms, unsharded=True)
+    _compare(x, "triton", CU, check_close, check_rel_rms, unsharded=True)
 
 
 def test_nonfinite_on_a_device_boundary_piece(mesh):
     """A NaN in the piece that leaves device 0: sequence 1 is NaN from that
     token on, on every device it reaches (the flag crosses the fold);
     everything else as the unsharded call's."""
-    x = make_inputs(3, B=1, T=96, H=1, K=16, V=16, N=len(CU) - 1)
+    x = make_inputs(3, B=1, T=96, H=1, HV=2, K=16, V=16, N=len(CU) - 1)
     x.k[0, 20, 0, 2] = np.nan
-    args = (*x.args(), x.initial_state)
-    put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
-    sharded_args = [put(a, TOK) for a in args[:5]] + [put(args[5], P())]
-    whole = lambda q, k, v, g, b, h: _call("xla", CU)(q, k, v, g, b, initial_state=h)
-    o, f = (np.asarray(y) for y in jax.jit(_sharded(mesh, _call("xla", CU)))(*sharded_args))
-    uo, uf = (np.asarray(y) for y in jax.jit(whole)(*args))
+    cp, whole, _ = _compiled("xla", tuple(CU), DEVICES, ())
+    args, sharded_args = _placed(mesh, x)
+    o, f = (np.asarray(y) for y in cp(*sharded_args))
+    uo, uf = (np.asarray(y) for y in whole(*args))
     np.testing.assert_array_equal(np.isnan(o), np.isnan(uo))
     np.testing.assert_array_equal(np.isnan(f), np.isnan(uf))
     assert np.isnan(o[0, 20:70]).all() and not np.isnan(o[0, 70:]).any()

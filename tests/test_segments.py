@@ -111,27 +111,43 @@ def _inputs(seed, *, T, N, gates=False, **kw):
     return x
 
 
-def _loss(fn, cu, w_o, w_f):
-    def loss(q, k, v, g, beta, h0):
+def _loss(fn, cu):
+    def loss(q, k, v, g, beta, h0, w_o, w_f):
         o, f = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(f * w_f)
     return loss
 
 
-def _run(x, cu, impl, forced: bool, grads: bool = True):
+@functools.lru_cache(maxsize=None)
+def _compiled(impl, forced: bool, cu: tuple):
+    """Jitted (forward, gradients) of chunk_kda with segments forced or off,
+    shared by the tests (compiles are the cost); traced on first use, under
+    the config."""
     fn = functools.partial(kda_jax.chunk_kda, implementation=impl, chunk_size=32)
+    fwd = jax.jit(lambda q, k, v, g, b, h: fn(q, k, v, g, b, initial_state=h,
+                                              output_final_state=True, cu_seqlens=list(cu)))
+    grad = jax.jit(jax.grad(_loss(fn, list(cu)), argnums=tuple(range(6))))
+    config = FORCED if forced else configs.SegmentConfig()
+
+    def traced(f):
+        def call(*args):
+            with configs.override_segments(config):
+                return f(*args)
+        return call
+
+    return traced(fwd), traced(grad)
+
+
+def _run(x, cu, impl, forced: bool, grads: bool = True):
+    fwd, grad = _compiled(impl, forced, tuple(cu))
     args = (*x.args(), x.initial_state)
-    ctx = configs.override_segments(FORCED if forced else configs.SegmentConfig())
-    with ctx:
-        o, f = jax.jit(lambda *a: fn(*a[:5], initial_state=a[5], output_final_state=True,
-                                     cu_seqlens=cu))(*args)
-        if not grads:
-            return o, f, None
-        rng = np.random.default_rng(7)
-        w_o = rng.standard_normal(o.shape).astype(np.float32)
-        w_f = rng.standard_normal(f.shape).astype(np.float32)
-        g = jax.jit(jax.grad(_loss(fn, cu, w_o, w_f), argnums=tuple(range(6))))(*args)
-    return o, f, (g, w_o, w_f)
+    o, f = fwd(*args)
+    if not grads:
+        return o, f, None
+    rng = np.random.default_rng(7)
+    w_o = rng.standard_normal(o.shape).astype(np.float32)
+    w_f = rng.standard_normal(f.shape).astype(np.float32)
+    return o, f, (grad(*args, w_o, w_f), w_o, w_f)
 
 
 def _reference(x, cu, w_o, w_f, grads=True):
@@ -140,8 +156,8 @@ def _reference(x, cu, w_o, w_f, grads=True):
                                        output_final_state=True, cu_seqlens=cu)
     if not grads:
         return o, f, None
-    g = jax.grad(_loss(kda_jax.naive_recurrent_kda, cu, w_o, w_f),
-                 argnums=tuple(range(6)))(*args)
+    g = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, cu), argnums=tuple(range(6))))(
+        *args, w_o, w_f)
     return o, f, g
 
 
@@ -151,9 +167,9 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 @pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.skipif(
     unavailable_reason() is not None, reason="Triton path unavailable"))])
 def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel_rms):
-    """Forward against the reference and the unsegmented call; gradients on the
-    Triton path (the composition's autodiff is the same on both paths, and the
-    XLA path's gradients meet the segments in the NaN test below)."""
+    """Forward against the reference; on the Triton path also gradients and
+    the unsegmented call (the composition's autodiff is the same on both
+    paths; tests/test_context_parallel.py differentiates it on the XLA path)."""
     x = _inputs(0, T=140, N=4, gates=True)
     with_grads = impl == "triton"
     o, f, grads = _run(x, CU, impl, forced=True, grads=with_grads)
@@ -164,38 +180,43 @@ def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel
     if with_grads:
         for name, got, want in zip(NAMES, grads[0], rg):
             check_rel_rms(got, want, 1e-4, f"d{name}")
+    if impl == "xla":
+        return
     # The unsegmented call: the same function within float32 rounding.
     uo, uf, _ = _run(x, CU, impl, forced=False, grads=False)
     check_close(o, uo, "float32", "o vs unsegmented")
     check_close(f, uf, "float32", "final_state vs unsegmented")
 
 
-def test_segmented_dense_bf16_state_v_first(check_close):
-    """Dense rows (no cu_seqlens), bf16 inputs, V-first states: P and o0 come
-    back in bf16 from the backend; the corrected outputs stay within bf16's
-    tolerance."""
+def test_segmented_dense_bf16_every_transform_state_v_first(check_close):
+    """Dense rows (no cu_seqlens), bf16 inputs, V-first states and every
+    in-kernel transform (gate with A_log and dt_bias, L2 norm, beta sigmoid,
+    negative eigenvalues; they act per token). P and o0 come back in bf16
+    from the backend; the corrected outputs stay within bf16's tolerance."""
     x = make_inputs(3, B=2, T=100, H=1, HV=2, K=16, V=16, dtype=jnp.bfloat16,
-                    state_v_first=True)
-    ro, rf = kda_jax.naive_recurrent_kda(*(np.asarray(a, np.float32) for a in x.args()),
-                                         initial_state=x.initial_state,
-                                         output_final_state=True, state_v_first=True)
+                    state_v_first=True, raw_gate=True, normalized_k=False, beta_logits=True)
+    kw = dict(use_gate_in_kernel=True, A_log=x.A_log, dt_bias=x.dt_bias,
+              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              allow_neg_eigval=True, initial_state=x.initial_state, output_final_state=True,
+              state_v_first=True)
+    ro, rf = kda_jax.naive_recurrent_kda(*(np.asarray(a, np.float32) for a in x.args()), **kw)
     with configs.override_segments(FORCED):
-        o, f = kda_jax.chunk_kda(*x.args(), initial_state=x.initial_state,
-                                 output_final_state=True, state_v_first=True, chunk_size=32,
-                                 implementation="xla")
+        o, f = kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="xla", **kw)
     assert o.dtype == jnp.bfloat16
     check_close(o, ro, "bfloat16", "o")
     check_close(f, rf, "bfloat16", "final_state")
 
 
+@pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
 def test_segmented_nonfinite_matches_unsegmented():
     """A NaN in a middle segment: outputs and final state NaN from that token
     of that sequence and head on, as unsegmented; the gradients of everything
-    else finite and equal to the unsegmented call's."""
+    else finite and equal to the unsegmented call's (Triton path: its
+    compiles are the test above's)."""
     x = _inputs(1, T=140, N=4)
     x.v[0, 40, 1, 3] = np.nan  # sequence 0, head 1, second segment
-    o, f, (g, w_o, w_f) = _run(x, CU, "xla", forced=True)
-    uo, uf, (ug, _, _) = _run(x, CU, "xla", forced=False)
+    o, f, (g, w_o, w_f) = _run(x, CU, "triton", forced=True)
+    uo, uf, (ug, _, _) = _run(x, CU, "triton", forced=False)
     np.testing.assert_array_equal(np.isnan(o), np.isnan(uo))
     np.testing.assert_array_equal(np.isnan(f), np.isnan(uf))
     assert np.isnan(o[0, 40:70, 1]).all() and not np.isnan(o[0, :40]).any()
@@ -256,19 +277,3 @@ def test_bench_forward_times_segmented_against_unsegmented(tmp_path, monkeypatch
     assert all(r["ms"] for r in rows), rows
     assert [p.num_segments for p in traced] == [3]  # 130 tokens at chunk 64: 64, 64, 2
     assert sweep.implementation("xla")[0] == "xla"
-
-
-def test_segmented_with_every_input_transform(check_close):
-    """The in-kernel transforms (gate with A_log and dt_bias, L2 norm, beta
-    sigmoid, negative eigenvalues) act per token: segments change nothing."""
-    x = make_inputs(4, B=1, T=140, H=1, HV=2, K=16, V=16, N=4, raw_gate=True,
-                    normalized_k=False, beta_logits=True)
-    kw = dict(use_gate_in_kernel=True, A_log=x.A_log, dt_bias=x.dt_bias,
-              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-              allow_neg_eigval=True, initial_state=x.initial_state, output_final_state=True,
-              cu_seqlens=CU)
-    ro, rf = kda_jax.naive_recurrent_kda(*x.args(), **kw)
-    with configs.override_segments(FORCED):
-        o, f = kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="xla", **kw)
-    check_close(o, ro, "float32", "o")
-    check_close(f, rf, "float32", "final_state")
