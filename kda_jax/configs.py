@@ -522,10 +522,10 @@ class SegmentConfig:
             raise ValueError(f"xla={self.xla!r} must be True or False")
 
 
-# sm90: an H200 has 132 SMs; below 128 state programs most idle (the
-# (1, 65536, 4..12) rows of issue 20), and the existing sweep's rows all have
-# 128 or more, so they keep today's schedule. Untuned starting points; AMD
-# targets and unknown devices stay unsegmented until measured.
+# sm90: an H200 has 132 SMs; below 128 state programs most idle (issue 20's
+# rows: (1, 65536, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 12)); every
+# other row of the forward sweep has 128 or more and keeps one pass. Untuned
+# starting points; AMD targets and unknown devices stay unsegmented until measured.
 SEGMENTS = {
     "sm90": SegmentConfig(min_programs=128, target_programs=1024, min_segment_chunks=8),
     "gfx950": SegmentConfig(),
