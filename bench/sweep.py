@@ -6,6 +6,8 @@ writing one JSON row per (shape, implementation), each with the run's metadata
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 
 import numpy as np
@@ -25,7 +27,29 @@ def add_arguments(p):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--shapes", default=None,
                    help="'B,T,H;B,T,H': these rows instead of the dense sweep")
+    p.add_argument("--segment-chunks", type=int, default=None,
+                   help="chunks per segment for triton-seq (default: the rule's choice)")
     p.add_argument("--json", default=None)
+
+
+# Implementations besides kda_jax's own names: the Triton path with the
+# segmented schedule off (today's single pass) or on for every row (the rule's
+# segment length unless --segment-chunks); "triton" follows the rule of
+# kda_jax.configs.SegmentConfig for the device.
+SEGMENT_VARIANTS = ("triton-noseg", "triton-seq")
+
+
+def implementation(impl: str, segment_chunks: int | None = None):
+    """(kda_jax implementation name, context manager to trace it under)."""
+    from kda_jax import configs
+
+    if impl == "triton-noseg":
+        return "triton", configs.override_segments(configs.SegmentConfig())
+    if impl == "triton-seq":
+        rule = dataclasses.replace(configs.segment_config(), min_programs=2**31 - 1,
+                                   segment_chunks=segment_chunks)
+        return "triton", configs.override_segments(rule)
+    return impl, contextlib.nullcontext()
 
 
 def rows_of(args) -> list[tuple]:
@@ -122,7 +146,9 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
         print(f"{impl}:", flush=True)
         for row, (b, t, h, cu) in enumerate(rows):
             try:
-                times[row][impl] = runner(impl, make(b, t, h, kd, vd), cu)()
+                name, traced_under = implementation(impl, getattr(args, "segment_chunks", None))
+                with traced_under:  # the first call traces and compiles
+                    times[row][impl] = runner(name, make(b, t, h, kd, vd), cu)()
             except Exception as e:  # noqa: BLE001 - record and go on to the next peer
                 print(f"  {impl} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)

@@ -17,7 +17,7 @@ import numpy as np
 from kda_jax.batch import VarlenBatch, mask_padding, num_seqs
 from kda_jax.bounds import SeqBounds, as_seq_bounds
 from kda_jax.options import KdaOptions
-from kda_jax import configs, xla
+from kda_jax import configs, context_parallel, segmented, xla
 from kda_jax import pool as state_pool
 from kda_jax import triton as kda_triton
 
@@ -390,12 +390,14 @@ def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                 use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
                 cu_seqlens, implementation, state_cache=None, state_indices=None,
-                has_initial_state=None):
+                has_initial_state=None, context_devices: int = 1):
     """Validates one call; returns (options, bounds, pool or None).
 
     ``chunk_size``: chunk_kda's, checked (:func:`_check_chunk_size`), or None
     for fused_recurrent_kda. ``bounds``
     is None when B = 0 without cu_seqlens: the call has no sequence.
+    ``context_devices``: the devices of chunk_kda's context axis (1 without
+    one); the bounds then cover all of them (T per device x devices).
     """
     dims = _check_inputs(q, k, v, g, beta)
     flags = _check_flags(
@@ -410,7 +412,7 @@ def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
     lower_bound = _check_gate(flags["use_gate_in_kernel"], A_log, dt_bias, lower_bound, dims)
     _check_implementation(implementation)
 
-    bounds = _resolve_bounds(cu_seqlens, dims, chunk_size)
+    bounds = _resolve_bounds(cu_seqlens, dims._replace(t=dims.t * context_devices), chunk_size)
     n, what = _sequence_slots(bounds, cu_seqlens)
     _check_initial_state(initial_state, n, what, dims, flags["state_v_first"])
     _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
@@ -504,6 +506,21 @@ def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *,
     return kda_triton.chunk_kda_triton_grad(q, k, v, g, beta, initial_state, A_log, dt_bias,
                                             opts=opts, bounds=bounds, config=config,
                                             bwd_config=bwd_config)
+
+
+def _core(backend: str, config=None, bwd_config=None):
+    """A backend's chunk_kda as ``core(q, k, v, g, beta, h0, A_log, dt_bias, *, opts,
+    bounds)``, for the compositions of kda_jax.segmented and kda_jax.context_parallel."""
+    if backend == "triton":
+        return functools.partial(_chunk_triton, config=config, bwd_config=bwd_config)
+    return _chunk_xla
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "plan", "backend", "config", "bwd_config"))
+def _chunk_segmented(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, plan, backend,
+                     config=None, bwd_config=None):
+    return segmented.chunk_segmented(_core(backend, config, bwd_config), q, k, v, g, beta,
+                                     initial_state, A_log, dt_bias, opts=opts, plan=plan)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
@@ -613,8 +630,9 @@ def chunk_kda(
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
     state_v_first=False, chunk_size=64, cu_seqlens=None, state_cache=None, state_indices=None,
-    has_initial_state=None, implementation=None,
+    has_initial_state=None, implementation=None, context_axis=None,
 ):
+    devices = context_parallel.axis_devices(context_axis, cu_seqlens)
     opts, bounds, pool = _check_call(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state,
@@ -625,16 +643,29 @@ def chunk_kda(
         chunk_size=_check_chunk_size(chunk_size), cu_seqlens=cu_seqlens,
         implementation=implementation,
         state_cache=state_cache, state_indices=state_indices,
-        has_initial_state=has_initial_state,
+        has_initial_state=has_initial_state, context_devices=devices,
     )
     backend = _choose_backend(implementation, q, v)
     if bounds is None:
         return _no_sequence(q, v, opts, pool)
     args = (q, k, v, g, beta, initial_state, A_log, dt_bias, pool)
+    config = bwd_config = None
     if backend == "triton":
         config = configs.forward_config(chunk_size=opts.chunk_size)
+        bwd_config = configs.backward_config(chunk_size=opts.chunk_size)
+    if context_axis is not None:
+        context_parallel.check_call(pool, backend, q, v, TRITON_MAX_HEAD_DIM)
+        return context_parallel.chunk_kda_context(
+            _core(backend, config, bwd_config), *args[:-1], opts=opts, bounds=bounds,
+            rows=q.shape[0], axis=context_axis, devices=devices)
+    plan = segmented.plan_call(backend, bounds, pool, opts, q.shape[-1], v.shape[-2],
+                               v.shape[-1], TRITON_MAX_HEAD_DIM)
+    if plan is not None:
+        return _chunk_segmented(*args[:-1], opts=opts, plan=plan, backend=backend,
+                                config=config, bwd_config=bwd_config)
+    if backend == "triton":
         return _chunk_triton(*args, opts=opts, bounds=bounds, config=config,
-                             bwd_config=configs.backward_config(chunk_size=opts.chunk_size))
+                             bwd_config=bwd_config)
     return _chunk_xla(*args, opts=opts, bounds=bounds)
 
 
@@ -648,6 +679,17 @@ chunk_kda.__doc__ = (
     + _ARGS_DOC
     + """      chunk_size: a Python int (or NumPy integer), 32 or 64; a float, bool or
         array raises TypeError.
+      context_axis: None, or a mesh axis name: context parallel inside
+        ``jax.shard_map``, each device of the axis holding a contiguous 1/n
+        of every row's tokens (q..beta ``[B, T / n, ...]``; cu_seqlens the
+        global host bounds of all ``T`` packed tokens; initial_state the same
+        on every device). Sequences may cross devices; o is this device's
+        rows, final_state all N sequences' on every device. Not with
+        state_cache or a VarlenBatch; on the Triton path V + K <= 256.
+        docs/kda.md section 7.
+
+    Long sequences with few heads run as parallel segments on the Triton
+    path (docs/kda.md section 7; kda_jax.configs.SegmentConfig).
 """
 )
 

@@ -551,3 +551,77 @@ def backward_config(arch: str | None = None, chunk_size: int = 64) -> BackwardCo
 def override_backward(config: BackwardConfig):
     """Uses ``config`` for the backward of every chunk_kda traced inside the block."""
     return _BACKWARD.override(config)
+
+
+# --------------------------------------------------------------------------- #
+# The segmented schedule of chunk_kda (kda_jax.segments, kda_jax.segmented).
+# --------------------------------------------------------------------------- #
+
+__all__ += ["SegmentConfig", "SEGMENTS", "segment_config", "override_segments"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentConfig:
+    """When chunk_kda's Triton path cuts long sequences into segments whose
+    chunk-state chains run in parallel (docs/kda.md section 7; the rule is
+    :func:`kda_jax.segments.segment_chunks`).
+
+    min_programs: segment when the state pass has fewer programs than this
+      (sequences x value heads x V blocks of the state kernel); 0: never.
+    target_programs: the segments aim at this many programs (counted at the
+      call's V blocks; the segmented pass runs V + K columns, so more).
+    min_segment_chunks: no segment shorter than this many chunks (each
+      segment adds a [K, K] transition and a step of the fold).
+    segment_chunks: chunks per segment, skipping the rule (None: the rule);
+      a call whose sequences all fit in one segment still runs unsegmented.
+    xla: apply the same rule to the XLA path (its state pass is a scan over
+      the longest segment's chunks instead of the longest sequence's).
+    """
+
+    min_programs: int = 0
+    target_programs: int = 1024
+    min_segment_chunks: int = 8
+    segment_chunks: int | None = None
+    xla: bool = False
+
+    def __post_init__(self):
+        for name in ("min_programs", "target_programs", "min_segment_chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
+        if self.min_segment_chunks < 1:
+            raise ValueError(f"min_segment_chunks={self.min_segment_chunks} must be >= 1")
+        if self.segment_chunks is not None and (
+                isinstance(self.segment_chunks, bool) or not isinstance(self.segment_chunks, int)
+                or self.segment_chunks < 1):
+            raise ValueError(f"segment_chunks={self.segment_chunks!r} must be None or an "
+                             "int >= 1")
+        if not isinstance(self.xla, bool):
+            raise ValueError(f"xla={self.xla!r} must be True or False")
+
+
+# sm90: an H200 has 132 SMs; below 128 state programs most idle (issue 20's
+# rows: (1, 65536, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 12)); every
+# other row of the forward sweep has 128 or more and keeps one pass. Untuned
+# starting points; AMD targets and unknown devices stay unsegmented until measured.
+SEGMENTS = {
+    "sm90": SegmentConfig(min_programs=128, target_programs=1024, min_segment_chunks=8),
+    "gfx950": SegmentConfig(),
+    "gfx942": SegmentConfig(),
+    "gfx1250": SegmentConfig(),
+    "default": SegmentConfig(),
+}
+
+_SEGMENTS = _Table(SegmentConfig, SEGMENTS)
+
+
+def segment_config(arch: str | None = None) -> SegmentConfig:
+    """The segmented schedule's config for ``arch`` (default: the current
+    device), or the override."""
+    return _SEGMENTS.get(arch)
+
+
+def override_segments(config: SegmentConfig):
+    """Uses ``config`` for every chunk_kda traced inside the ``with`` block
+    (e.g. ``SegmentConfig(segment_chunks=2)`` to force segments)."""
+    return _SEGMENTS.override(config)

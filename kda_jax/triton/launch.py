@@ -26,6 +26,7 @@ import inspect
 import mmap
 import os
 import sys
+import threading
 import traceback
 
 import jax
@@ -380,6 +381,12 @@ def _guarded(array: np.ndarray, at_end: bool) -> np.ndarray:
     return out
 
 
+# Triton's interpreter keeps the running grid in module state: launches from
+# several host devices at once (shard_map over CPU devices runs each device's
+# callbacks on its own thread) must take turns.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliases=None):
     array_pos = [i for i, a in enumerate(args) if not isinstance(a, (int, np.integer))]
     arrays = [args[i] for i in array_pos]
@@ -400,7 +407,8 @@ def _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliase
             for i, s in enumerate(out_shape)
         ]
         try:
-            kernel[tuple(grid)](*full, *(_HostTensor(o) for o in outs), **constexprs)
+            with _INTERPRETER_LOCK:
+                kernel[tuple(grid)](*full, *(_HostTensor(o) for o in outs), **constexprs)
         except Exception as e:  # the callback boundary drops the traceback; keep it
             detail = "".join(traceback.format_exception(e))
             raise RuntimeError(f"{getattr(kernel, '__name__', kernel)} failed in Triton's interpreter:\n{detail}") from e

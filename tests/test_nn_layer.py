@@ -1,0 +1,336 @@
+"""kda_jax.nn.KimiDeltaAttention against a pure-JAX transcription of fla's layer
+(float32, the reference recurrence, one sequence at a time), and against itself:
+prefill + decode through the cache equals one prefill, a packed batch equals its
+sequences one by one, the pool form equals the dense form. XLA path, and the
+Triton path in the interpreter (tiny shapes)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+
+import kda_jax  # noqa: E402
+from kda_jax.nn import KDACache, KimiDeltaAttention, to_fla_state_dict  # noqa: E402
+from kda_jax.nn import layer as layer_module  # noqa: E402
+
+HIDDEN, H, HV, K, EXPAND_V, W = 16, 1, 2, 8, 2, 4
+V = K * EXPAND_V
+LENGTHS = [3, 0, 1, 6]  # an empty sequence, one shorter than the conv window
+
+
+@functools.lru_cache(maxsize=None)
+def _built(**kw):
+    layer = KimiDeltaAttention(HIDDEN, H, K, num_v_heads=HV, expand_v=EXPAND_V, conv_size=W,
+                               rngs=nnx.Rngs(0), **kw)
+    # Non-trivial norm weights and gate parameters (fla's init makes them ones / tiny).
+    rng = np.random.default_rng(7)
+    layer.o_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, V), layer.o_norm.weight.dtype)
+    layer.A_log[...] = jnp.asarray(rng.uniform(-1.0, 0.5, HV), jnp.float32)
+    layer.dt_bias[...] = jnp.asarray(rng.normal(0, 0.5, HV * K), jnp.float32)
+    return layer
+
+
+def make_layer(implementation="xla", **kw):
+    """A copy of one layer (built once: initialization costs seconds on a CPU)."""
+    layer = nnx.clone(_built(**kw))
+    layer.implementation = implementation
+    return layer
+
+
+def call(layer, x, cu_seqlens=None, cache=None):
+    """The layer under jax.jit: one compile instead of one per operation."""
+    if cu_seqlens is not None and not isinstance(cu_seqlens, kda_jax.VarlenBatch):
+        cu_seqlens = kda_jax.SeqBounds(np.asarray(cu_seqlens))
+    return jax.jit(lambda x, b, c: layer(x, cu_seqlens=b, cache=c))(x, cu_seqlens, cache)
+
+
+def random_cache(n, seed=1):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    return KDACache(f(n, W - 1, H * K), f(n, W - 1, H * K), f(n, W - 1, HV * V),
+                    0.3 * f(n, HV, K, V))
+
+
+# --------------------------------------------------------------------------- #
+# The transcription: fla's layer written out with fla's weight layouts.
+# --------------------------------------------------------------------------- #
+
+
+def _conv(p, name, inp, state):
+    """inp [T, C], state [W-1, C] -> (silu(conv), last W-1 inputs)."""
+    w = p[f"{name}.weight"][:, 0, :]  # [C, W]: tap W-1 is the current token
+    full = jnp.concatenate([state, inp])
+    t = inp.shape[0]
+    out = sum(full[j:j + t] * w[:, j] for j in range(W))
+    return jax.nn.silu(out), full[full.shape[0] - (W - 1):]
+
+
+def transcribe_one(p, x, conv_states, h0, eps=1e-5):
+    """One sequence: x [T, hidden]; conv_states (q, k, v) [W-1, C]; h0 [HV, K, V]."""
+    t = x.shape[0]
+    lin = lambda a, key: a @ p[key].T
+    q, cq = _conv(p, "q_conv1d", lin(x, "q_proj.weight"), conv_states[0])
+    k, ck = _conv(p, "k_conv1d", lin(x, "k_proj.weight"), conv_states[1])
+    v, cv = _conv(p, "v_conv1d", lin(x, "v_proj.weight"), conv_states[2])
+    g = lin(lin(x, "f_proj.0.weight"), "f_proj.1.weight")
+    beta = lin(x, "b_proj.weight")
+    o, h = kda_jax.naive_recurrent_kda(
+        q.reshape(1, t, H, K), k.reshape(1, t, H, K), v.reshape(1, t, HV, V),
+        g.reshape(1, t, HV, K), beta.reshape(1, t, HV), initial_state=h0[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        A_log=p["A_log"], dt_bias=p["dt_bias"], use_beta_sigmoid_in_kernel=True)
+    gate = (lin(lin(x, "g_proj.0.weight"), "g_proj.1.weight") + p["g_proj.1.bias"])
+    o = o[0]
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, -1, keepdims=True) + eps) * p["o_norm.weight"]
+    o = o * jax.nn.sigmoid(gate.reshape(t, HV, V))
+    return lin(o.reshape(t, HV * V), "o_proj.weight"), (cq, ck, cv), h[0]
+
+
+def transcribe(p, x_packed, lengths, cache):
+    """Packed x [R, hidden] -> (y [sum(lengths), hidden], final conv states, final h)."""
+    cu = np.r_[0, np.cumsum(lengths)]
+    ys, convs, hs = [], [], []
+    for i in range(len(lengths)):
+        y, c, h = transcribe_one(p, x_packed[cu[i]:cu[i + 1]],
+                                 (cache.conv_q[i], cache.conv_k[i], cache.conv_v[i]),
+                                 cache.recurrent[i])
+        ys.append(y)
+        convs.append(c)
+        hs.append(h)
+    stack = lambda j: jnp.stack([c[j] for c in convs])
+    return jnp.concatenate(ys), KDACache(stack(0), stack(1), stack(2), jnp.stack(hs))
+
+
+def _inputs(total, seed=3):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((1, total, HIDDEN)),
+                       jnp.float32)
+
+
+def _close(check_close, got: KDACache, want: KDACache, what):
+    for name in ("conv_q", "conv_k", "conv_v", "recurrent"):
+        check_close(getattr(got, name), getattr(want, name), "float32", f"{what} {name}",
+                    kind="state")
+
+
+# --------------------------------------------------------------------------- #
+# Forward against the transcription.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("form", ["host", "bucket"])
+def test_layer_matches_transcription(form, check_close):
+    layer = make_layer()
+    p = to_fla_state_dict(layer)
+    lengths = LENGTHS
+    total = sum(lengths)
+    x = _inputs(total)
+    cache = random_cache(len(lengths))
+    want_y, want_cache = jax.jit(lambda x, c: transcribe(p, x, lengths, c))(x[0], cache)
+    if form == "host":
+        y, new = call(layer, x, np.r_[0, np.cumsum(lengths)], cache)
+        y = y[0]
+    else:
+        bucket = kda_jax.Bucket(max_seqs=6, max_tokens=16)
+        batch = kda_jax.VarlenBatch.from_lengths(lengths, bucket)
+        padded = KDACache(*(jnp.concatenate([a, jnp.full((2,) + a.shape[1:], 9.0)])
+                            for a in cache[:4]))
+        y, new = call(layer, batch.pad_tokens(x), batch, padded)
+        assert np.all(np.asarray(y[0, total:]) == 0), "rows past the real tokens must be 0"
+        for a, b in zip(new[:4], padded[:4]):  # padded sequence slots keep their states
+            np.testing.assert_array_equal(np.asarray(a[4:]), np.asarray(b[4:]))
+        y, new = y[0, :total], KDACache(*(a[:4] for a in new[:4]))
+    check_close(y, want_y, "float32", "y")
+    _close(check_close, new, want_cache, form)
+
+
+def test_layer_without_cache_is_the_zero_cache(check_close):
+    layer = make_layer()
+    x = _inputs(10)
+    cu = np.array([0, 4, 10])
+    y0, _ = call(layer, x, cu, layer.init_cache(2))
+    np.testing.assert_allclose(np.asarray(call(layer, x, cu)), np.asarray(y0),
+                               rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# Self-consistency: prefill + decode, packed vs one by one, pool vs dense.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_prefill_then_decode_equals_one_prefill(implementation, monkeypatch, check_close):
+    # Decode steps run the recurrent form. On the Triton path (the interpreter)
+    # the 5-token prefill takes the chunked form (threshold lowered); on the
+    # XLA path the recurrent one (the chunked form's compile is the slow part
+    # on a CPU, and its gradient is checked below).
+    if implementation == "triton":
+        monkeypatch.setattr(layer_module, "RECURRENT_MAX_TOKENS", 2)
+    layer = make_layer(implementation)
+    x = _inputs(16).reshape(2, 8, HIDDEN)
+    full, whole = call(layer, x, cache=layer.init_cache(2))
+    y, cache = call(layer, x[:, :5], cache=layer.init_cache(2))
+    ys = [y]
+    step = jax.jit(lambda x, c: layer(x, cache=c))
+    for t in range(5, 8):
+        y, cache = step(x[:, t:t + 1], cache)
+        ys.append(y)
+    check_close(jnp.concatenate(ys, axis=1), full, "float32", "y prefill+decode")
+    _close(check_close, cache, whole, "prefill+decode")
+
+
+def test_packed_equals_one_by_one(check_close):
+    # On the Triton path (the interpreter); for the XLA path the transcription
+    # above is the one-by-one run.
+    layer = make_layer("triton")
+    total = sum(LENGTHS)
+    x = _inputs(total, seed=5)
+    cache = random_cache(len(LENGTHS), seed=2)
+    cu = np.r_[0, np.cumsum(LENGTHS)]
+    y, new = call(layer, x, cu, cache)
+    for i, n in enumerate(LENGTHS):
+        if n == 0:
+            continue
+        one = KDACache(*(a[i:i + 1] for a in cache[:4]))
+        y_i, new_i = call(layer, x[:, cu[i]:cu[i + 1]], cache=one)
+        check_close(y[:, cu[i]:cu[i + 1]], y_i, "float32", f"y seq {i}")
+        _close(check_close, KDACache(*(a[i:i + 1] for a in new[:4])), new_i, f"seq {i}")
+
+
+@pytest.mark.parametrize("bucketed, implementation",
+                         [(False, "xla"), (True, "xla"), (True, "triton")])
+def test_pool_form_equals_dense_form(bucketed, implementation):
+    layer = make_layer(implementation)
+    lengths = [2, 1, 4]
+    x = _inputs(7, seed=9)
+    pool = random_cache(5, seed=4)
+    idx = np.array([3, 0, 1], np.int32)
+    has = np.array([True, False, True])
+    dense = KDACache(*(a[idx] for a in pool[:4]))
+    dense = dense._replace(**{f: getattr(dense, f).at[1].set(0) for f in
+                              ("conv_q", "conv_k", "conv_v", "recurrent")})
+    cu = np.r_[0, np.cumsum(lengths)]
+    y_dense, new_dense = call(layer, x, cu, dense)
+    if bucketed:
+        batch = kda_jax.VarlenBatch.from_lengths(lengths, kda_jax.Bucket(4, 8))
+        cache = pool.at(jnp.asarray(np.r_[idx, 2]), jnp.asarray(np.r_[has, True]))
+        y, new = call(layer, batch.pad_tokens(x), batch, cache)
+        y = y[:, :7]
+    else:
+        y, new = call(layer, x, cu, pool.at(idx, has))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_dense), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(new.has_initial_state)) and new.state_indices is not None
+    for name in ("conv_q", "conv_k", "conv_v", "recurrent"):
+        got, before = np.asarray(getattr(new, name)), np.asarray(getattr(pool, name))
+        np.testing.assert_allclose(got[idx], np.asarray(getattr(new_dense, name)),
+                                   rtol=1e-5, atol=1e-6)
+        untouched = [r for r in range(5) if r not in idx]  # slot 2 of the padded slot too
+        np.testing.assert_array_equal(got[untouched], before[untouched])
+
+
+# --------------------------------------------------------------------------- #
+# Gradients against autodiff of the transcription.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_gradients_match_transcription(implementation, monkeypatch, check_rel_rms):
+    # Triton: the chunked form (its recurrent form has no backward); XLA: the
+    # recurrent form (chosen with a cache of short inputs; the chunked XLA
+    # path's autodiff is covered by tests/test_grad.py).
+    if implementation == "triton":
+        monkeypatch.setattr(layer_module, "RECURRENT_MAX_TOKENS", 0)
+    layer = make_layer(implementation)
+    lengths = [3, 6]
+    cu = np.r_[0, np.cumsum(lengths)]
+    x = _inputs(9, seed=11)
+    cache = random_cache(2, seed=6)
+    rng = np.random.default_rng(12)
+    dy = jnp.asarray(rng.standard_normal((9, HIDDEN)), jnp.float32)
+    dh = jnp.asarray(rng.standard_normal(cache.recurrent.shape), jnp.float32)
+    graph, params = nnx.split(layer, nnx.Param)
+
+    def ours(params, x, h0):
+        y, new = nnx.merge(graph, params)(x, cu_seqlens=cu, cache=cache._replace(recurrent=h0))
+        return jnp.sum(y[0] * dy) + jnp.sum(new.recurrent * dh)
+
+    def reference(p, x, h0):
+        y, new = transcribe(p, x[0], lengths, cache._replace(recurrent=h0))
+        return jnp.sum(y * dy) + jnp.sum(new.recurrent * dh)
+
+    g_ours = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(params, x, cache.recurrent)
+    p = {k: jnp.asarray(v) for k, v in to_fla_state_dict(layer).items()}
+    g_ref = jax.jit(jax.grad(reference, argnums=(0, 1, 2)))(p, x, cache.recurrent)
+    mapped = to_fla_state_dict(g_ours[0], layer)
+    for key, want in g_ref[0].items():
+        check_rel_rms(mapped[key], want, 1e-4, f"d{key}")
+    check_rel_rms(g_ours[1], g_ref[1], 1e-4, "dx")
+    check_rel_rms(g_ours[2], g_ref[2], 1e-4, "dh0")
+
+
+# --------------------------------------------------------------------------- #
+# Errors.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_v_heads=3), "num_v_heads=3 must be a multiple of num_heads=2"),
+    (dict(expand_v=0.3), "expand_v=0.3"),
+    (dict(mode="naive"), "mode='naive'"),
+    (dict(safe_gate=True), "safe_gate=True needs lower_bound"),
+    (dict(lower_bound=-6.0), r"lower_bound=-6.0 must lie in \[-5, 0\)"),
+    (dict(chunk_size=16), "chunk_size=16"),
+    (dict(implementation="cuda"), "implementation='cuda'"),
+    (dict(conv_size=0), "conv_size=0"),
+])
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KimiDeltaAttention(HIDDEN, 2, K, rngs=nnx.Rngs(0), **kwargs)
+
+
+def test_unknown_fla_option_raises():
+    with pytest.raises(TypeError, match="layer_idx"):
+        KimiDeltaAttention(HIDDEN, 2, K, layer_idx=0, rngs=nnx.Rngs(0))
+
+
+def test_call_errors():
+    layer = make_layer()
+    x = _inputs(6)
+    with pytest.raises(ValueError, match="hidden_size=16"):
+        layer(jnp.zeros((1, 6, 8)))
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        layer(x.astype(jnp.int32))
+    with pytest.raises(ValueError, match="packed"):
+        layer(jnp.zeros((2, 3, HIDDEN)), cu_seqlens=[0, 3])
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=5 must equal T=6"):
+        layer(x, cu_seqlens=[0, 5])
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        layer(x, cu_seqlens=jnp.array([0, 6]))
+    with pytest.raises(ValueError, match="cache holds 3 sequences"):
+        layer(x, cu_seqlens=[0, 2, 6], cache=layer.init_cache(3))
+    with pytest.raises(ValueError, match="has_initial_state is only used with"):
+        layer(x, cache=layer.init_cache(1)._replace(has_initial_state=np.array([True])))
+    bad = layer.init_cache(1)._replace(conv_v=jnp.zeros((1, W, HV * V)))
+    with pytest.raises(ValueError, match=r"cache.conv_v must have shape \(1, 3, 32\)"):
+        layer(x, cache=bad)
+    with pytest.raises(TypeError, match="KDACache"):
+        layer(x, cache=(1, 2))
+    with pytest.raises(ValueError, match="state_indices"):  # the API's host check
+        layer(x, cache=layer.init_cache(2).at(np.array([5], np.int32)))
+
+
+def test_dense_cache_keeps_its_dtypes_in_a_decode_loop():
+    # bf16 projections write bf16 conv states; a float32 cache must stay float32
+    # (a fori_loop's carry keeps its types).
+    layer = make_layer(dtype=jnp.bfloat16)
+    x = _inputs(2).reshape(2, 1, HIDDEN).astype(jnp.bfloat16)
+    cache = layer.init_cache(2, dtype=jnp.float32)
+    body = lambda i, c: layer(x, cache=c)[1]
+    out = jax.jit(lambda c: jax.lax.fori_loop(0, 2, body, c))(cache)
+    assert [a.dtype for a in out[:4]] == [jnp.float32] * 4
+    assert layer.init_cache(1).conv_q.dtype == jnp.bfloat16

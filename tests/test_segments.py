@@ -1,0 +1,279 @@
+"""The segmented schedule (kda_jax.segments, kda_jax.segmented): host plans, the
+rule, and chunk_kda with segments forced on small shapes against the float32
+reference and the unsegmented call, forward and gradients, on the XLA path and
+the Triton path (interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda_jax
+from kda_jax import configs, segmented, segments
+from kda_jax.bounds import SeqBounds
+from kda_jax.testing import DENSE_SWEEP, make_inputs
+from kda_jax.triton import unavailable_reason
+
+# Segments of one chunk each: every sequence longer than a chunk is cut.
+FORCED = configs.SegmentConfig(segment_chunks=1, xla=True)
+# Varlen: a long sequence cut into 3 segments (32, 32, 6 tokens at chunk 32),
+# then an empty and a one-token sequence right after its last segment, then
+# one more cut sequence: segments end on empty and one-token sequences.
+CU = [0, 70, 70, 71, 140]
+
+
+# --------------------------------------------------------------------------- #
+# Host plans.
+# --------------------------------------------------------------------------- #
+
+
+def test_plan_cuts_whole_chunks_and_covers_every_token():
+    bounds = SeqBounds(CU)
+    plan = segments.segment_plan(bounds, 32, 1)
+    assert plan.segments.cu_seqlens.tolist() == [0, 32, 64, 70, 71, 103, 135, 140]
+    assert plan.seq.tolist() == [0, 0, 0, 2, 3, 3, 3]
+    assert plan.first.tolist() == [True, False, False, True, True, False, False]
+    # Lanes: sequences 0 and 3 (3 segments each); 1 is empty, 2 one segment.
+    assert plan.fold.tolist() == [[0, 1, 2], [4, 5, 6]]
+    assert plan.final_lane.tolist() == [0, -1, -1, 1]
+    assert plan.final_segment.tolist() == [-1, -1, 3, -1]
+    # The corrected segments' tokens, and each token's slot (first segments: none).
+    c, rows = plan.corr_index.shape
+    assert (c, rows) == (4, 32)
+    slot = plan.corr_slot
+    corrected = np.flatnonzero(slot < c * rows)
+    assert corrected.tolist() == list(range(32, 70)) + list(range(103, 140))
+    assert np.all(plan.corr_index.reshape(-1)[slot[corrected]] == corrected)
+    assert plan.corr_start.tolist() == [0, 1, 3, 4]  # lane * steps + step - 1
+    # Near-equal whole chunks: 5 chunks at 2 per segment -> 2, 2, 1 (x 64 tokens).
+    assert segments.segment_plan(SeqBounds([0, 300]), 64, 2).segments.lengths.tolist() == [
+        128, 128, 44]
+
+
+def test_rule_segments_the_issue_rows_and_not_the_sweep():
+    """sm90's SegmentConfig: the issue's low-head long rows are segmented,
+    no row of the existing forward sweep is (K = V = 128, 4 V blocks)."""
+    cfg = configs.SEGMENTS["sm90"]
+    blocks = -(-128 // configs.FORWARD["sm90"].state_block_v)
+
+    def per(b, t, h):
+        return segments.segment_chunks(
+            SeqBounds.from_lengths([t] * b), 64, hv=h, programs_per_seq_head=blocks,
+            min_programs=cfg.min_programs, target_programs=cfg.target_programs,
+            min_segment_chunks=cfg.min_segment_chunks)
+
+    for b, t, h in DENSE_SWEEP:
+        if (b, t, h) != (1, 65536, 12):
+            assert per(b, t, h) is None, (b, t, h)
+    for b, t, h in ((1, 65536, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 12)):
+        chunks = per(b, t, h)
+        assert chunks is not None and cfg.min_segment_chunks <= chunks < t // 64, (b, t, h)
+    # Forced, but every sequence fits in one segment: unsegmented.
+    assert segments.segment_chunks(SeqBounds([0, 64]), 64, hv=1, programs_per_seq_head=1,
+                                   min_programs=0, target_programs=0, min_segment_chunks=1,
+                                   forced_segment_chunks=1) is None
+
+
+def test_context_plan_pieces():
+    # 4 devices of 24 tokens: sequence 3 starts at device 1's first token and
+    # enters device 2; empty sequences at 24 and 72 (device boundaries).
+    plans = segments.context_plan(SeqBounds([0, 10, 24, 24, 70, 72, 72, 96]), 1, 4)
+    assert [p.bounds.lengths.tolist() for p in plans] == [[10, 14], [24], [22, 2], [24]]
+    assert plans[1].entering.tolist() == [False] and plans[1].leaving.tolist() == [0]
+    assert plans[2].entering.tolist() == [True, False] and plans[2].leaving.tolist() == [-1]
+    owns = np.stack([p.owns for p in plans])
+    assert owns.sum(axis=0).tolist() == [1] * 7  # each final state on one device
+    assert np.argmax(owns, axis=0).tolist() == [0, 0, 1, 2, 2, 3, 3]
+    assert plans[2].final_piece.tolist() == [-1, -1, -1, 0, 1, -1, -1]
+    with pytest.raises(ValueError, match="split"):
+        segments.context_plan(SeqBounds([0, 10]), 1, 4)
+    with pytest.raises(ValueError, match="row"):
+        segments.context_plan(SeqBounds([0, 6, 16]), 2, 2)
+
+
+# --------------------------------------------------------------------------- #
+# chunk_kda with segments forced, against the reference and the unsegmented call.
+# --------------------------------------------------------------------------- #
+
+
+def _inputs(seed, *, T, N, gates=False, **kw):
+    x = make_inputs(seed, B=1, T=T, H=1, HV=2, K=16, V=16, N=N, **kw)
+    if gates:  # strong gates: -1e4 and -inf, inside segments and on their last rows
+        x.g[0, 5] = -1e4
+        x.g[0, 31, 1] = -np.inf
+        x.g[0, 69] = -1e4
+        x.g[0, 100, 0, :3] = -np.inf
+    return x
+
+
+def _loss(fn, cu):
+    def loss(q, k, v, g, beta, h0, w_o, w_f):
+        o, f = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(f * w_f)
+    return loss
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(impl, forced: bool, cu: tuple):
+    """Jitted (forward, gradients) of chunk_kda with segments forced or off,
+    shared by the tests (compiles are the cost); traced on first use, under
+    the config."""
+    fn = functools.partial(kda_jax.chunk_kda, implementation=impl, chunk_size=32)
+    fwd = jax.jit(lambda q, k, v, g, b, h: fn(q, k, v, g, b, initial_state=h,
+                                              output_final_state=True, cu_seqlens=list(cu)))
+    grad = jax.jit(jax.grad(_loss(fn, list(cu)), argnums=tuple(range(6))))
+    config = FORCED if forced else configs.SegmentConfig()
+
+    def traced(f):
+        def call(*args):
+            with configs.override_segments(config):
+                return f(*args)
+        return call
+
+    return traced(fwd), traced(grad)
+
+
+def _run(x, cu, impl, forced: bool, grads: bool = True):
+    fwd, grad = _compiled(impl, forced, tuple(cu))
+    args = (*x.args(), x.initial_state)
+    o, f = fwd(*args)
+    if not grads:
+        return o, f, None
+    rng = np.random.default_rng(7)
+    w_o = rng.standard_normal(o.shape).astype(np.float32)
+    w_f = rng.standard_normal(f.shape).astype(np.float32)
+    return o, f, (grad(*args, w_o, w_f), w_o, w_f)
+
+
+def _reference(x, cu, w_o, w_f, grads=True):
+    args = [np.asarray(a, np.float32) for a in (*x.args(), x.initial_state)]
+    o, f = kda_jax.naive_recurrent_kda(*args[:5], initial_state=args[5],
+                                       output_final_state=True, cu_seqlens=cu)
+    if not grads:
+        return o, f, None
+    g = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, cu), argnums=tuple(range(6))))(
+        *args, w_o, w_f)
+    return o, f, g
+
+
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.skipif(
+    unavailable_reason() is not None, reason="Triton path unavailable"))])
+def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel_rms):
+    """Forward against the reference; on the Triton path also gradients and
+    the unsegmented call (the composition's autodiff is the same on both
+    paths; tests/test_context_parallel.py differentiates it on the XLA path)."""
+    x = _inputs(0, T=140, N=4, gates=True)
+    with_grads = impl == "triton"
+    o, f, grads = _run(x, CU, impl, forced=True, grads=with_grads)
+    weights = grads[1:] if with_grads else (None, None)
+    ro, rf, rg = _reference(x, CU, *weights, grads=with_grads)
+    check_close(o, ro, "float32", "o")
+    check_close(f, rf, "float32", "final_state")
+    if with_grads:
+        for name, got, want in zip(NAMES, grads[0], rg):
+            check_rel_rms(got, want, 1e-4, f"d{name}")
+    if impl == "xla":
+        return
+    # The unsegmented call: the same function within float32 rounding.
+    uo, uf, _ = _run(x, CU, impl, forced=False, grads=False)
+    check_close(o, uo, "float32", "o vs unsegmented")
+    check_close(f, uf, "float32", "final_state vs unsegmented")
+
+
+def test_segmented_dense_bf16_every_transform_state_v_first(check_close):
+    """Dense rows (no cu_seqlens), bf16 inputs, V-first states and every
+    in-kernel transform (gate with A_log and dt_bias, L2 norm, beta sigmoid,
+    negative eigenvalues; they act per token). P and o0 come back in bf16
+    from the backend; the corrected outputs stay within bf16's tolerance."""
+    x = make_inputs(3, B=2, T=100, H=1, HV=2, K=16, V=16, dtype=jnp.bfloat16,
+                    state_v_first=True, raw_gate=True, normalized_k=False, beta_logits=True)
+    kw = dict(use_gate_in_kernel=True, A_log=x.A_log, dt_bias=x.dt_bias,
+              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              allow_neg_eigval=True, initial_state=x.initial_state, output_final_state=True,
+              state_v_first=True)
+    ro, rf = kda_jax.naive_recurrent_kda(*(np.asarray(a, np.float32) for a in x.args()), **kw)
+    with configs.override_segments(FORCED):
+        o, f = kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="xla", **kw)
+    assert o.dtype == jnp.bfloat16
+    check_close(o, ro, "bfloat16", "o")
+    check_close(f, rf, "bfloat16", "final_state")
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
+def test_segmented_nonfinite_matches_unsegmented():
+    """A NaN in a middle segment: outputs and final state NaN from that token
+    of that sequence and head on, as unsegmented; the gradients of everything
+    else finite and equal to the unsegmented call's (Triton path: its
+    compiles are the test above's)."""
+    x = _inputs(1, T=140, N=4)
+    x.v[0, 40, 1, 3] = np.nan  # sequence 0, head 1, second segment
+    o, f, (g, w_o, w_f) = _run(x, CU, "triton", forced=True)
+    uo, uf, (ug, _, _) = _run(x, CU, "triton", forced=False)
+    np.testing.assert_array_equal(np.isnan(o), np.isnan(uo))
+    np.testing.assert_array_equal(np.isnan(f), np.isnan(uf))
+    assert np.isnan(o[0, 40:70, 1]).all() and not np.isnan(o[0, :40]).any()
+    for name, got, want in zip(NAMES, g, ug):
+        assert np.isfinite(got).all(), name
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def test_rule_picks_segments_automatically():
+    """chunk_kda's plan (kda_jax.segmented.plan_call) follows the config's
+    rule: under min_programs segmented (on the XLA path only with xla=True),
+    else not; on the Triton path only where V + K fits."""
+    from kda_jax.options import KdaOptions
+
+    opts = KdaOptions(scale=0.25, chunk_size=32)
+    plan = lambda backend, max_dim=256: segmented.plan_call(
+        backend, SeqBounds([0, 300]), None, opts, 16, 1, 16, max_dim)
+    rule = configs.SegmentConfig(min_programs=1000, target_programs=4, min_segment_chunks=2)
+    with configs.override_segments(dataclasses.replace(rule, xla=True)):
+        assert plan("xla").segments.lengths.tolist() == [96, 96, 64, 44]  # 10 chunks
+        assert plan("triton").num_segments == 4
+        assert plan("triton", max_dim=31) is None  # V + K = 32 columns do not fit
+    with configs.override_segments(rule):
+        assert plan("xla") is None and plan("triton") is not None
+    with configs.override_segments(dataclasses.replace(rule, min_programs=1)):
+        assert plan("triton") is None
+    assert plan("xla") is None  # the CPU's default config: no segments
+
+
+def test_segment_config_checks():
+    with pytest.raises(ValueError, match="segment_chunks"):
+        configs.SegmentConfig(segment_chunks=0)
+    with pytest.raises(ValueError, match="min_programs"):
+        configs.SegmentConfig(min_programs=-1)
+    with pytest.raises(TypeError, match="SegmentConfig"):
+        with configs.override_segments(configs.ForwardConfig()):
+            pass
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
+def test_bench_forward_times_segmented_against_unsegmented(tmp_path, monkeypatch):
+    """bench.forward's triton-noseg (today's single pass) and triton-seq rows
+    (one call each here: the interpreter is slow)."""
+    from bench import forward, sweep
+
+    traced = []
+    real = segmented.chunk_segmented
+    monkeypatch.setattr(segmented, "chunk_segmented",
+                        lambda *a, **kw: traced.append(kw["plan"]) or real(*a, **kw))
+    monkeypatch.setattr(forward, "time_jax", lambda fn, *a: float(
+        np.asarray(jax.block_until_ready(fn(*a))).size > 0))
+    out = tmp_path / "f.json"
+    forward.main(["--impls", "triton-noseg,triton-seq", "--shapes", "1,130,1", "--head-dim",
+                  "16", "--segment-chunks", "1", "--json", str(out)])
+    import json
+    rows = json.loads(out.read_text())
+    assert [r["implementation"] for r in rows] == ["kda_jax-triton-noseg", "kda_jax-triton-seq"]
+    assert all(r["ms"] for r in rows), rows
+    assert [p.num_segments for p in traced] == [3]  # 130 tokens at chunk 64: 64, 64, 2
+    assert sweep.implementation("xla")[0] == "xla"
