@@ -612,7 +612,7 @@ SEGMENTS = {
     "default": SegmentConfig(),
 }
 
-_SEGMENTS = _Table(SegmentConfig, SEGMENTS)
+_SEGMENTS = _Table(SegmentConfig, {None: SEGMENTS})
 
 
 def segment_config(arch: str | None = None) -> SegmentConfig:
