@@ -600,12 +600,12 @@ class SegmentConfig:
             raise ValueError(f"xla={self.xla!r} must be True or False")
 
 
-# sm90: an H200 has 132 SMs; below 128 state programs most idle (issue 20's
-# rows: (1, 65536, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 12)); every
-# other row of the forward sweep has 128 or more and keeps one pass. Untuned
-# starting points; AMD targets and unknown devices stay unsegmented until measured.
+# Off everywhere: on the H200 the segmented pass (V + K columns, then the
+# correction) measured slower than one pass on two of the four low-head rows
+# and 8-15 % faster on the others (bench/results/h200-forward-segmented.json):
+# not yet a schedule to pick automatically. Force it with override_segments.
 SEGMENTS = {
-    "sm90": SegmentConfig(min_programs=128, target_programs=1024, min_segment_chunks=8),
+    "sm90": SegmentConfig(),
     "gfx950": SegmentConfig(),
     "gfx942": SegmentConfig(),
     "gfx1250": SegmentConfig(),
