@@ -266,16 +266,25 @@ def child_main():
         fla_version = metadata.version("fla-core")
     except Exception:  # noqa: BLE001
         fla_version = getattr(__import__("fla"), "__version__", None)
-    print(json.dumps({"ready": True, "torch": torch.__version__, "fla": fla_version}),
-          flush=True)
+    serve(JOBS, torch.__version__, fla_version)
+
+
+def serve(jobs, torch_version, fla_version, traceback_to_stdout=False):
+    """The child's loop: says it is ready, then runs one job per stdin line
+    (``jobs[job["job"]](job)`` yields rows) until an empty line or EOF."""
+    print(json.dumps({"ready": True, "torch": torch_version, "fla": fla_version}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             break
         job = json.loads(line)
         try:
-            for row in JOBS[job["job"]](job):
+            for row in jobs[job["job"]](job):
                 print(json.dumps({"row": row}), flush=True)
         except Exception as e:  # noqa: BLE001 - the parent records the failure
+            if traceback_to_stdout:
+                import traceback
+
+                traceback.print_exc(file=sys.stdout)
             print(json.dumps({"error": f"{type(e).__name__}: {str(e)[-400:]}"}), flush=True)
         print(json.dumps({"done": True}), flush=True)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import sys
 
@@ -360,21 +359,9 @@ def child_main():
 
     from bench.meta import versions
 
-    print(json.dumps({"ready": True, "torch": torch.__version__,
-                      "fla": versions(("fla",))["fla"]}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            break
-        job = json.loads(line)
-        try:
-            for row in JOBS[job["job"]](job):
-                print(json.dumps({"row": row}), flush=True)
-        except Exception as e:  # noqa: BLE001 - the parent records the failure
-            import traceback
+    from bench.fla_peer import serve
 
-            traceback.print_exc(file=sys.stdout)
-            print(json.dumps({"error": f"{type(e).__name__}: {str(e)[-400:]}"}), flush=True)
-        print(json.dumps({"done": True}), flush=True)
+    serve(JOBS, torch.__version__, versions(("fla",))["fla"], traceback_to_stdout=True)
 
 
 if __name__ == "__main__":
