@@ -148,3 +148,18 @@ def run_lowering_child(test_file: str, targets: list[str]) -> dict:
     if "skip" in result:
         pytest.skip(result["skip"])
     return result
+
+
+@pytest.fixture
+def example():
+    """``example(name)``: imports ``examples/<name>.py`` of the checkout as a module."""
+    import importlib.util
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(
+            f"example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

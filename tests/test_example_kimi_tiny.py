@@ -5,8 +5,6 @@ cache. Few steps on the CPU (XLA path); the Triton path on a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import jax
 import numpy as np
@@ -16,24 +14,17 @@ pytest.importorskip("optax")
 pytest.importorskip("flax.nnx")
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
-PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "kimi_tiny.py"
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("kimi_tiny", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"] if ON_GPU else ["xla"])
-def test_kimi_tiny_trains_and_generates_with_caches(implementation):
-    example = _example()
+def test_kimi_tiny_trains_and_generates_with_caches(implementation, example):
+    script = example("kimi_tiny")
     steps = 300 if ON_GPU else 30
-    model, losses = example.train(steps=steps, implementation=implementation, batch=16)
+    model, losses = script.train(steps=steps, implementation=implementation, batch=16)
     assert np.all(np.isfinite(losses))
     first, last = np.mean(losses[:5]), np.mean(losses[-5:])
     assert last < 0.85 * first, f"loss {first:.3f} -> {last:.3f} did not fall"
-    prompts, _ = example.copy_prompts(np.random.default_rng(2), 3)
-    cached = example.generate(model, prompts, 4, slots=5)
-    np.testing.assert_array_equal(cached, example.generate_without_cache(model, prompts, 4))
+    prompts, _ = script.copy_prompts(np.random.default_rng(2), 3)
+    cached = script.generate(model, prompts, 4, slots=5)
+    np.testing.assert_array_equal(cached, script.generate_without_cache(model, prompts, 4))

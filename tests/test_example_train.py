@@ -4,8 +4,6 @@ the Triton path (its custom_vjp), the whole 300 steps."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import jax
 import numpy as np
@@ -14,21 +12,14 @@ import pytest
 pytest.importorskip("optax")
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
-PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("train_tiny", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"] if ON_GPU else ["xla"])
-def test_tiny_model_learns_recall(implementation):
-    example = _example()
+def test_tiny_model_learns_recall(implementation, example):
+    script = example("train_tiny")
     steps = 300 if ON_GPU else 120
-    losses = example.train(steps=steps, implementation=implementation, batch=32)
+    losses = script.train(steps=steps, implementation=implementation, batch=32)
     assert np.all(np.isfinite(losses))
     first, last = np.mean(losses[:10]), np.mean(losses[-10:])
     assert last < 0.8 * first, f"loss {first:.3f} -> {last:.3f} did not fall"
