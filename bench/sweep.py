@@ -35,7 +35,10 @@ def add_arguments(p):
 # Implementations besides kda_jax's own names: the Triton path with the
 # segmented schedule off (today's single pass) or on for every row (the rule's
 # segment length unless --segment-chunks); "triton" follows the rule of
-# kda_jax.configs.SegmentConfig for the device.
+# kda_jax.configs.SegmentConfig for the device. "triton@ARCH" (e.g.
+# triton@gfx950) runs the Triton path with another arch's forward and backward
+# configs (tiles, warps, product precisions) on this device: a relative figure
+# for that config's numerics and cost here, not that arch's time.
 SEGMENT_VARIANTS = ("triton-noseg", "triton-seq")
 
 
@@ -43,6 +46,8 @@ def implementation(impl: str, segment_chunks: int | None = None):
     """(kda_jax implementation name, context manager to trace it under)."""
     from kda_jax import configs
 
+    if impl.startswith("triton@"):
+        return "triton", _arch_configs(impl.split("@", 1)[1])
     if impl == "triton-noseg":
         return "triton", configs.override_segments(configs.SegmentConfig())
     if impl == "triton-seq":
@@ -50,6 +55,15 @@ def implementation(impl: str, segment_chunks: int | None = None):
                                    segment_chunks=segment_chunks)
         return "triton", configs.override_segments(rule)
     return impl, contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _arch_configs(arch: str):
+    from kda_jax import configs
+
+    with configs.override(configs.forward_config(arch)), \
+            configs.override_backward(configs.backward_config(arch)):
+        yield
 
 
 def rows_of(args) -> list[tuple]:

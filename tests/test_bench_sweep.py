@@ -109,3 +109,14 @@ def test_rows_carry_the_run_metadata(tmp_path, monkeypatch):
     for r in records:
         assert r["versions"]["torch"] == "t-child" and r["versions"]["fla"] == "f-child"
         assert r["date"] and "commit" in r and "dirty" in r and "gpu" in r["machine"]
+
+
+def test_arch_variant_traces_under_that_archs_configs():
+    from kda_jax import configs
+
+    name, under = sweep.implementation("triton@gfx1250")
+    assert name == "triton"
+    with under:
+        assert configs.forward_config() == configs.forward_config("gfx1250")
+        assert configs.backward_config() == configs.backward_config("gfx1250")
+    assert configs.forward_config() == configs.forward_config(configs.current_arch())

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kda_jax
-from kda_jax import reference, testing
+from kda_jax import configs, reference, testing
 from kda_jax.bounds import SeqBounds, packed_metadata
 from kda_jax.triton import interpret_mode, unavailable_reason
 from kda_jax.triton.launch import stand_in
@@ -81,6 +81,24 @@ def test_forward_matches_reference(case, check_close):
         name = "float32-extreme-gates"
     check_close(o, ro, name, "o")
     check_close(s, rs, name, "final_state")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the AMD configs' product precisions need a GPU")
+@pytest.mark.parametrize("arch", ["gfx950", "gfx1250", "gfx942"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0].startswith(("big-", "gate-", "l2norm"))],
+                         ids=lambda c: c[0])
+def test_amd_configs_forward_on_this_gpu(arch, case, check_close):
+    """An AMD arch's forward config (tiles, warps, bf16 / split-bf16 products)
+    forced on this GPU meets the same bars as this device's own."""
+    _, make_kw, call_kw = case
+    x = testing.make_inputs(3, **make_kw)
+    chunk = call_kw.get("chunk_size", 64)
+    with configs.override(configs.forward_config(arch, chunk)):
+        o, s = _run(x, call_kw, kda_jax.chunk_kda, implementation="triton")
+    ref_kw = {k: v for k, v in call_kw.items() if k != "chunk_size"}
+    ro, rs = _run(x, ref_kw, reference.naive_recurrent_kda)
+    check_close(o, ro, _dtype_name(x.q), f"o {arch}", kind="o")
+    check_close(s, rs, _dtype_name(x.q), f"final_state {arch}", kind="final_state")
 
 
 @pytest.mark.parametrize("chunk_size", [32, 64])

@@ -354,3 +354,29 @@ def test_gate_parameter_grads_at_fla_grid(case, check_rel_rms):
     failures = _check_all(ref, got, {n: arrays[n] for n in wrt}, wrt, tol, check_rel_rms,
                           kind="grad gate params")
     assert not failures, "; ".join(failures)
+
+
+AMD_ARCHS = ("gfx950", "gfx1250", "gfx942")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the AMD configs' product precisions need a GPU")
+@pytest.mark.parametrize("arch", AMD_ARCHS)
+@pytest.mark.parametrize("name", ["gpu-big-K128-gva", "gpu-varlen-all-transforms",
+                                  "split-K128-c32", "bf16"])
+def test_amd_configs_grads_on_this_gpu(arch, name, check_rel_rms):
+    """An AMD arch's forward and backward configs (tiles, warps and the bf16 /
+    split-bf16 product precisions) forced on this GPU: the gradients meet the
+    same bars as this device's own configs."""
+    if name == "bf16":
+        make_kw, call_kw, chunk, wrt = dict(B=1, T=300, H=4, K=128, V=128,
+                                            dtype=jnp.bfloat16), {}, 64, ALL
+    else:
+        make_kw, call_kw, chunk, wrt = CASES[name]
+    x = make_inputs(17, **make_kw)
+    w_o, w_f = _weights(x, call_kw)
+    with configs.override(configs.forward_config(arch, chunk)), \
+            configs.override_backward(configs.backward_config(arch, chunk)):
+        ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
+    tol = TOL_BF16 if name == "bf16" else TOL
+    failures = _check_all(ref, got, params, wrt, tol, check_rel_rms, kind=f"grad {arch}")
+    assert not failures, f"{arch} {name}: " + "; ".join(failures)
