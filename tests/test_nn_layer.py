@@ -24,6 +24,15 @@ V = K * EXPAND_V
 LENGTHS = [3, 0, 1, 6]  # an empty sequence, one shorter than the conv window
 
 
+@pytest.fixture(autouse=True)
+def _float32_products():
+    """Float32 matrix products in the projections: on a GPU XLA's default for
+    float32 is tf32 (about 1e-3 relative), which alone misses the float32 bar
+    this file holds the layer to; the CPU computes in float32 either way."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @functools.lru_cache(maxsize=None)
 def _built(**kw):
     layer = KimiDeltaAttention(HIDDEN, H, K, num_v_heads=HV, expand_v=EXPAND_V, conv_size=W,
