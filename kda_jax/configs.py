@@ -461,9 +461,9 @@ class BackwardConfig:
 # One entry per arch at chunk 64, then at chunk 32; every field written out,
 # one sentence each on why (measurements: docs/tuning.md, "Launch configs").
 BACKWARD = {
-    # The largest blocks that compile without spills at every spec; split-bf16
-    # products with 16-bit inputs (tf32 ones miss the gate parameters'
-    # gradient bar), tf32x3 ones with float32 intermediates.
+    # Split-bf16 products with 16-bit inputs (tf32 ones miss the gate
+    # parameters' gradient bar), tf32x3 ones with float32 intermediates; the
+    # largest wy and intra blocks that compile without spills at every spec.
     "sm90": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
@@ -471,8 +471,8 @@ BACKWARD = {
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_split_k=True,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
-        wy_block_k=16, wy_block_v=16, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3"),
+        wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
+        intra_block_k=32, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3"),
     # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
     # w/u included); float32 intermediates keep "ieee" in the state passes and
     # the inter kernel (bf16x6 there halves occupancy or spills, for little
