@@ -50,24 +50,29 @@ def ratio_chart(rows, title, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r["implementation"] != "fla" and r.get("ratio_to_fla")]
+    timed = [r for r in rows if r["implementation"] != "fla" and r.get("ms")]
+    rows = [r for r in timed if r.get("ratio_to_fla")]
+    value, ylabel = "ratio_to_fla", "time / fla's time (lower is faster)"
+    if not rows:  # no fla time in the run: kda_jax's own times
+        rows, value, ylabel = timed, "ms", "ms (no fla time in this run)"
     shapes = list(dict.fromkeys(shape_label(r) for r in rows))
     impls = list(dict.fromkeys(r["implementation"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(shapes) + 2), 4.2))
     width = 0.8 / max(len(impls), 1)
     for j, impl in enumerate(impls):
-        by = {shape_label(r): r["ratio_to_fla"] for r in rows if r["implementation"] == impl}
+        by = {shape_label(r): r[value] for r in rows if r["implementation"] == impl}
         xs = [i + j * width for i, s in enumerate(shapes) if s in by]
         ys = [by[s] for s in shapes if s in by]
         bars = ax.bar(xs, ys, width, label=impl)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    if rows and max(r["ratio_to_fla"] for r in rows) > 3:
-        ax.set_yscale("log")  # the XLA path's bars would flatten the Triton ones
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    if value == "ratio_to_fla":
+        if rows and max(r[value] for r in rows) > 3:
+            ax.set_yscale("log")  # the XLA path's bars would flatten the Triton ones
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(shapes))], shapes,
                   fontsize=8)
     ax.set_xlabel("B, T, H (K = V = 128, bf16)")
-    ax.set_ylabel("time / fla's time (lower is faster)")
+    ax.set_ylabel(ylabel)
     ax.set_title(f"{title}\n{provenance(rows)}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -109,6 +114,11 @@ def render(path: str, out_dir: str | None = None) -> str | None:
         rows = json.load(f)
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: expected a non-empty JSON list of rows")
+    # Rows of a benchmark name an implementation (forward, backward) or a step
+    # (serving, decode); other files (tuning records) are not charted.
+    rows = [r for r in rows if ("implementation" if kind in ("forward", "backward") else "step") in r]
+    if not rows:
+        return None
     png = os.path.join(out_dir or os.path.dirname(path),
                        os.path.basename(path)[: -len(".json")] + ".png")
     if kind in ("forward", "backward"):
