@@ -202,3 +202,24 @@ def test_explicit_axes_raise():
     fn = jax.jit(lambda *a: kda_jax.chunk_kda(*a, chunk_size=32, implementation="triton")[0])
     with pytest.raises(NotImplementedError, match="AxisType.Auto"):
         fn(*placed)
+
+
+def test_gspmd_partitioner():
+    """The GSPMD callbacks (Shardy off): batch and heads stay sharded."""
+    q, k, v, g, beta, h0, _, _ = _inputs(False)
+    fn = lambda q, k, v, g, beta, h0: _triton(q, k, v, g, beta, initial_state=h0,
+                                              output_final_state=True)
+    mesh = _mesh()
+    placed = _place((q, k, v, g, beta, h0), mesh, _specs("data", "model")[:6])
+    shardy = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        compiled = jax.jit(fn).lower(*placed).compile()
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+    o, s = compiled(*placed)
+    o_ref, s_ref = _reference(q, k, v, g, beta, h0)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s, s_ref, rtol=1e-4, atol=1e-4)
+    assert _is(o, mesh, P("data", None, "model")) and _is(s, mesh, P("data", "model"))
+    assert not _collectives(compiled)
