@@ -38,6 +38,7 @@ from kda_jax.triton.forward import chunk_kda_triton, forward_launches, split_sta
 from kda_jax.triton.forward_only import unbatchable
 from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel,
                                    stand_in)
+from kda_jax.triton.partitioning import CALL, GRAD_CALL, GRADS, PARAMS, partitioned
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
 
@@ -256,9 +257,12 @@ def _poisoned(poison, q_bad, bounds: SeqBounds):
 
 
 def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config):
-    """The forward; jax.vmap of it raises kda_jax's error (no batching rule)."""
-    run = lambda *arrays: chunk_kda_triton(*arrays, opts=opts, bounds=bounds, config=config)
-    return unbatchable(run, _FORM)(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    """The forward, partitioned under a sharded jit
+    (:mod:`kda_jax.triton.partitioning`); jax.vmap of it raises kda_jax's
+    error (no batching rule)."""
+    run = lambda *args: chunk_kda_triton(*args[:8], opts=opts, bounds=args[8], config=config)
+    return unbatchable(partitioned(run, CALL[:9], ("o", "state")), _FORM)(
+        q, k, v, g, beta, initial_state, A_log, dt_bias, bounds)
 
 
 _FORM = "chunk_kda on the Triton path (implementation='triton', the default on a GPU)"
@@ -276,8 +280,16 @@ def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, 
 
 
 def _bwd(opts, bounds, config, bwd_config, residuals, cotangents):
-    q, k, v, g, beta, initial_state, A_log, dt_bias = residuals
-    do, dht = cotangents
+    run = lambda *args: _grads(*args[:8], *args[9:], opts=opts, bounds=args[8],
+                               bwd_config=bwd_config)
+    return partitioned(run, GRAD_CALL, GRADS, summed=PARAMS)(*residuals, bounds, *cotangents)
+
+
+def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: KdaOptions,
+           bounds: SeqBounds, bwd_config: BackwardConfig):
+    """The gradients of q, k, v, g, beta, initial_state, A_log, dt_bias (None
+    for an absent one) from the raw inputs and the cotangents ``do`` and
+    ``dht`` (None without a final state)."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
     tokens = b * t

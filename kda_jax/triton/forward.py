@@ -22,6 +22,7 @@ from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
 from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel, stand_in,
                                    transform_constexprs)
+from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton.state_args import kernel_states
 
 __all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches", "split_state_k",
@@ -202,5 +203,6 @@ def chunk_kda_triton_serving(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
         return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
                                 bounds=bounds, config=config, pool=pool)
 
-    return forward_only(run, form)(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds,
-                                   pool)
+    outs = ("o", "state" if pool is None else "cache")
+    return forward_only(partitioned(run, CALL, outs), form)(
+        q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool)

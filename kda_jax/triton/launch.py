@@ -36,7 +36,7 @@ import numpy as np
 from kda_jax import configs
 from kda_jax.configs import DOT_MODES
 from kda_jax.kernels import signatures
-from kda_jax.triton import compat
+from kda_jax.triton import compat, host_call
 
 __all__ = ["KernelLaunch", "interpret_mode", "guard_mode", "available", "unavailable_reason",
            "kernels", "kernel_function", "runtime_params", "launch", "launch_kernel", "stand_in",
@@ -416,4 +416,9 @@ def _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliase
         return outs if guard is None else [np.array(o, copy=True) for o in outs]
 
     shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
-    return list(jax.pure_callback(host, shapes, *[jnp.asarray(a) for a in arrays]))
+    operands = [jnp.asarray(a) for a in arrays]
+    if host_call.in_local_lowering():
+        # A custom_partitioning rule's per-device function: a pure_callback
+        # lowered there would point at nothing (kda_jax.triton.host_call).
+        return host_call.host_call(host, shapes, *operands)
+    return list(jax.pure_callback(host, shapes, *operands))

@@ -20,6 +20,7 @@ from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
 from kda_jax.triton.launch import KernelLaunch, launch_kernel, stand_in, transform_constexprs
+from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton.state_args import kernel_states
 
 __all__ = ["KERNEL", "recurrent_constexprs", "recurrent_launch", "fused_recurrent_kda_triton"]
@@ -87,8 +88,9 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
         return _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
                        bounds=bounds, config=config, pool=pool)
 
-    return forward_only(run, _FORM)(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds,
-                                    pool)
+    outs = ("o", "state" if pool is None else "cache")
+    return forward_only(partitioned(run, CALL, outs), _FORM)(
+        q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool)
 
 
 _FORM = "fused_recurrent_kda on the Triton path (implementation='triton', the default on a GPU)"
