@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 
 __all__ = ["UnsupportedTransformError", "NotDifferentiableError", "NotBatchableError",
-           "forward_only", "unbatchable", "GRAD_ALTERNATIVE", "VMAP_ALTERNATIVE"]
+           "forward_only", "not_differentiable", "unbatchable", "GRAD_ALTERNATIVE", "VMAP_ALTERNATIVE"]
 
 GRAD_ALTERNATIVE = (
     "differentiable are chunk_kda's Triton path with host bounds (cu_seqlens None, a list, a "
@@ -70,11 +70,16 @@ def unbatchable(fn: Callable, form: str) -> Callable:
 def forward_only(fn: Callable, form: str) -> Callable:
     """:func:`unbatchable` ``fn`` whose differentiation (jax.grad, jax.jvp,
     jax.vjp) also raises, with :class:`NotDifferentiableError`."""
-    unbatched = unbatchable(fn, form)
+    return not_differentiable(unbatchable(fn, form), form)
+
+
+def not_differentiable(fn: Callable, form: str) -> Callable:
+    """``fn`` with the same value (and batching) whose differentiation
+    (jax.grad, jax.jvp, jax.vjp) raises :class:`NotDifferentiableError`."""
 
     @jax.custom_jvp
     def primal(*args):
-        return unbatched(*args)
+        return fn(*args)
 
     @primal.defjvp
     def _no_jvp(primals, tangents):
