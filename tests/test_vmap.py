@@ -92,17 +92,16 @@ def _check(fn, impl, form, x, axes, check_close, gate=False):
     check_close(final[-1], rf, "float32", "final_state[-1]")
 
 
-@pytest.mark.parametrize("fn, impl, form", [
-    ("chunk", "xla", "dense"), ("recurrent", "xla", "varlen"),
-    pytest.param("chunk", "triton", "dense", marks=needs_triton),
-    pytest.param("chunk", "triton", "varlen", marks=needs_triton),
-    pytest.param("recurrent", "triton", "dense", marks=needs_triton),
-    pytest.param("recurrent", "triton", "varlen", marks=needs_triton)])
-def test_vmap_equals_loop_and_reference(form, fn, impl, check_close):
-    """Dense inputs with mapped initial states; host bounds without initial
-    states. The Triton path folds by sequences."""
-    x = _inputs(form, state=form == "dense")
-    axes = (0,) * 5 + ((0,) if form == "dense" else (None,)) + (None, None)
+@pytest.mark.parametrize("fn, impl, form, state", [
+    ("chunk", "xla", "dense", True), ("recurrent", "xla", "varlen", False),
+    pytest.param("chunk", "triton", "dense", True, marks=needs_triton),
+    pytest.param("chunk", "triton", "varlen", False, marks=needs_triton),
+    pytest.param("recurrent", "triton", "varlen", True, marks=needs_triton)])
+def test_vmap_equals_loop_and_reference(fn, impl, form, state, check_close):
+    """Dense inputs or host bounds, with mapped initial states or none. The
+    Triton path folds by sequences (dense recurrent: the gate test below)."""
+    x = _inputs(form, state=state)
+    axes = (0,) * 5 + ((0,) if state else (None,)) + (None, None)
     _check(fn, impl, form, x, axes, check_close)
 
 
