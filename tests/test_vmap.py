@@ -106,13 +106,13 @@ def test_vmap_equals_loop_and_reference(fn, impl, form, state, check_close):
 
 
 @needs_triton
-@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
-def test_mapped_gate_parameters_fold_into_heads(fn, check_close):
+def test_mapped_gate_parameters_fold_into_heads(check_close):
     """A_log and dt_bias mapped (the fold into heads, GVA groups whole: H = 1,
-    HV = 2), with one initial_state for every element (broadcast)."""
+    HV = 2), with one initial_state for every element (broadcast). The
+    decode launch shares the rule and the layouts (kda_jax.triton.batching)."""
     x = _inputs("dense", gate=True)
     x["initial_state"] = x["initial_state"][0]
-    _check(fn, "triton", "dense", x, (0,) * 5 + (None, 0, 0), check_close, gate=True)
+    _check("chunk", "triton", "dense", x, (0,) * 5 + (None, 0, 0), check_close, gate=True)
 
 
 @needs_triton
