@@ -2,7 +2,8 @@
 default) over 4 host CPU devices (tests/conftest.py) as a 2 x 2 mesh: q..beta
 sharded over the batch, over the heads (H and HV together, GVA groups whole),
 or both; XLA path and Triton path (interpreter). Forward and gradients equal
-to the unsharded call; the forward also to the float32 reference.
+to the unsharded call; the forward also to the float32 reference. The
+serving form (a VarlenBatch and a pool split with the heads) over the heads.
 
 Tiny shapes (T <= 21, K = V = 16); one compile for forward and gradients.
 """
@@ -128,3 +129,32 @@ def test_fused_recurrent_kda_with_the_gate(mesh, impl, check_close):
     heads; forward (the XLA path's gradients in shard_map: test_chunk_kda;
     the Triton path is forward only)."""
     _compare("recurrent", impl, "dense", "both", check_close, gate=True, grads=False)
+
+
+@needs_triton
+def test_serving_step_over_heads(mesh, check_close):
+    """The serving form (a VarlenBatch and a state pool whose rows are split
+    with the heads) of fused_recurrent_kda on the Triton path, over the heads:
+    the pool and outputs equal the unsharded call's and the reference's."""
+    x = make_inputs(8, B=1, T=CU[-1], H=2, HV=4, K=16, V=16, N=len(CU) - 1)
+    batch = kda_jax.VarlenBatch.build(np.array(CU), kda_jax.Bucket(max_seqs=2, max_tokens=24))
+    pool = np.random.default_rng(0).standard_normal((3, 4, 16, 16)).astype(np.float32)
+    idx = np.array([2, 0], np.int32)
+
+    def step(q, k, v, g, beta, cache, indices):
+        return kda_jax.fused_recurrent_kda(q, k, v, g, beta, cu_seqlens=batch, state_cache=cache,
+                                           state_indices=indices, implementation="triton")
+
+    heads = P(None, None, "h")
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(heads,) * 5 + (P(None, "h"), P()),
+                            out_specs=(heads, P(None, "h")))
+    args = [batch.pad_tokens(a) for a in x.args()]
+    o, cache = jax.jit(sharded)(*args, pool, idx)
+    uo, ucache = jax.jit(step)(*args, pool, idx)
+    np.testing.assert_allclose(o, uo, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cache, ucache, rtol=1e-5, atol=1e-6)
+    ro, rf = reference.naive_recurrent_kda(*x.args(), initial_state=pool[idx],
+                                           output_final_state=True, cu_seqlens=list(CU))
+    check_close(o[:, :CU[-1]], ro, "float32", "o")
+    check_close(cache[idx], rf, "float32", "final_state")
+    np.testing.assert_array_equal(cache[1], pool[1])  # a row no sequence names
