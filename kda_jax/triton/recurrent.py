@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
+from kda_jax.bounds import SeqBounds, next_pow2
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
-from kda_jax.bounds import SeqBounds, next_pow2
 from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, ROWS, STATE, foldable
 from kda_jax.triton.forward_only import forward_only, not_differentiable
 from kda_jax.triton.launch import KernelLaunch, launch_kernel, stand_in, transform_constexprs
