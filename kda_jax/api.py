@@ -209,6 +209,7 @@ def _resolve_bounds(cu_seqlens, dims: _Dims, chunk_size: int | None
                 f"kda_jax.Bucket(..., chunk_size={chunk_size})"
             )
         return cu_seqlens
+    _check_unmapped_bounds(cu_seqlens)
     bounds = as_seq_bounds(cu_seqlens)
     if b != 1:
         raise ValueError(
@@ -220,6 +221,19 @@ def _resolve_bounds(cu_seqlens, dims: _Dims, chunk_size: int | None
             f"cu_seqlens[-1]={bounds.total_tokens} must equal the number of tokens T={t}"
         )
     return bounds
+
+
+def _check_unmapped_bounds(cu_seqlens):
+    """cu_seqlens mapped by jax.vmap (a batch tracer) is refused with the
+    fixes: the bounds are host data, one set for every mapped element."""
+    if isinstance(cu_seqlens, jax.core.Tracer) and type(cu_seqlens).__name__ == "BatchTracer":
+        raise ValueError(
+            "cu_seqlens is mapped by jax.vmap: the bounds are host data, fixed at trace time "
+            "and shared by every mapped element. Pass them unmapped (close over them, or "
+            "in_axes=None for a NumPy array); for bounds that differ per element, pack all "
+            "elements' sequences into one call (concatenate the tokens along T and their "
+            "bounds into one cu_seqlens) instead of mapping"
+        )
 
 
 def _sequence_slots(bounds, cu_seqlens) -> tuple[int, str]:
@@ -615,13 +629,18 @@ _ARGS_DOC = """
       ``[N, HV, K, V]`` (or V-first), or None unless ``output_final_state``.
       With ``state_cache``: ``(o, new_state_cache)``, the pool's shape and dtype.
 
-    Transformations: the XLA path supports ``jax.grad`` and ``jax.vmap`` (JAX's
-    own rules). On the Triton path only chunk_kda with host bounds and no
-    ``state_cache`` is differentiable; the serving forms (a ``state_cache`` or
-    a VarlenBatch) and fused_recurrent_kda are forward only, and no Triton
-    form has a batching rule: grad, jvp and vmap of those raise
-    ``NotImplementedError`` subclasses of :mod:`kda_jax.triton.forward_only`
-    naming the form and the alternative.
+    Transformations: the XLA path supports ``jax.grad``, ``jax.vmap`` and
+    ``jax.shard_map`` in every form (JAX's own rules). On the Triton path
+    chunk_kda with host bounds and no ``state_cache`` is differentiable;
+    with host bounds and no ``state_cache`` both functions batch under
+    ``jax.vmap`` (the mapped axis folded into one launch, docs/sharding.md);
+    the serving forms (a ``state_cache`` or a VarlenBatch) are forward only
+    and unbatchable, and fused_recurrent_kda is forward only: grad, jvp and
+    vmap of those raise ``NotImplementedError`` subclasses of
+    :mod:`kda_jax.triton.forward_only` naming the form and the alternative.
+    A ``cu_seqlens`` mapped by ``jax.vmap`` raises ValueError (bounds are host
+    data). Inside ``jax.shard_map`` both paths run each device's shard, with
+    q..beta split over B and/or over heads (H and HV together).
 """
 
 

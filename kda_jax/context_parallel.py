@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_jax import vma
 from kda_jax.batch import VarlenBatch
 from kda_jax.options import KdaOptions
 from kda_jax.segmented import apply_map, augmented_run, augmented_states
@@ -122,8 +123,13 @@ def chunk_kda_context(core, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
         return run
 
     index = jax.lax.axis_index(axis)
+    # Every operand varies over the axis before the switch: an operand the
+    # same on every device (initial_state, A_log, dt_bias) would be cast to
+    # varying inside the branches, and that cast's transpose, a psum, would
+    # then run inside the branch each device picks for itself (kda_jax.vma).
+    operands = vma.like((q, k, v, g, beta, h_seq, A_log, dt_bias), index)
     o0, o_bad, P, lane_E, lane_M, lane_bad, fin_E, fin_M, fin_bad = jax.lax.switch(
-        index, [branch(p) for p in plans], q, k, v, g, beta, h_seq, A_log, dt_bias)
+        index, [branch(p) for p in plans], *operands)
 
     # Host tables of all devices, indexed by the axis index.
     # uses[d, r]: device d's leaving piece of row r entered it (its map reads

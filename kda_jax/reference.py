@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_jax import transforms
+from kda_jax import transforms, vma
 from kda_jax.bounds import as_seq_bounds
 
 __all__ = ["naive_recurrent_kda"]
@@ -28,7 +28,8 @@ def _recurrence(q, k, v, g, beta, s0, scale):
         o_t = scale * jnp.einsum("hk,hkv->hv", q_t, s, precision="highest")
         return s, o_t
 
-    s, o = jax.lax.scan(step, s0, (q, k, v, g, beta))
+    xs = (q, k, v, g, beta)
+    s, o = jax.lax.scan(step, vma.like(s0, xs), xs)  # inside shard_map: the inputs' axes
     return o, s
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_jax import transforms
+from kda_jax import transforms, vma
 from kda_jax.batch import VarlenBatch
 from kda_jax.bounds import LaneSchedule, SeqBounds, lane_schedule
 from kda_jax.options import KdaOptions
@@ -317,7 +317,9 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     state0 = jnp.zeros((lanes, hv, kd, vd), jnp.float32)
     flag0 = jnp.zeros((lanes, hv), bool)
     xs = (w, u, k_tail, decay_last, first, seq_of_slot, chunk_poisoned)
-    _, (h, v_new, before) = jax.lax.scan(step, (state0, flag0), xs)
+    # Inside shard_map the carry varies over the mesh axes its inputs vary over.
+    init = vma.like((state0, flag0), xs, h_init)
+    _, (h, v_new, before) = jax.lax.scan(step, init, xs)
     chunk_poisoned = chunk_poisoned | before  # the state after the chunk is NaN
 
     o = jnp.matmul(q * jnp.exp(G), h, precision=_HI) * scale
@@ -382,7 +384,9 @@ def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     flag0 = jnp.zeros((lanes, hv), bool)
     finals0 = h_init if opts.output_final_state else jnp.zeros((0,), jnp.float32)
     xs = (q, k, v, g, beta, poison, q_bad, first, tables["seq_of_slot"], tables["seq_ending"])
-    (_, _, finals), o = jax.lax.scan(step, (state0, flag0, finals0), xs)
+    # Inside shard_map the carry varies over the mesh axes its inputs vary over.
+    init = vma.like((state0, flag0, finals0), xs, h_init)
+    (_, _, finals), o = jax.lax.scan(step, init, xs)
     o = _scatter_tokens(o[:, :, None], tables["slot_of_token"])
     o = _poison(o.reshape(b, t, hv, vd), tables).astype(out_dtype)
     if not opts.output_final_state:

@@ -46,10 +46,9 @@ def _call(impl, cu, **kw):
 
 
 def _sharded(mesh, fn):
-    # check_vma=False: the XLA path's lane scan starts from unvarying zeros.
     body = lambda q, k, v, g, b, h: fn(q, k, v, g, b, initial_state=h, context_axis="cp")
     return jax.shard_map(body, mesh=mesh, in_specs=(TOK,) * 5 + (P(),),
-                         out_specs=(TOK, P()), check_vma=False)
+                         out_specs=(TOK, P()))
 
 
 def _loss(fn):
@@ -154,8 +153,7 @@ def test_errors(mesh):
 
     def inside(fn):
         put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, TOK))
-        body = jax.shard_map(fn, mesh=mesh, in_specs=(TOK,) * 5, out_specs=TOK,
-                             check_vma=False)
+        body = jax.shard_map(fn, mesh=mesh, in_specs=(TOK,) * 5, out_specs=TOK)
         return jax.jit(body)(*(put(a) for a in args))
 
     # The global bounds must cover all 4 devices' tokens (4 x 24 here).
@@ -172,6 +170,6 @@ def test_errors(mesh):
         with pytest.raises(ValueError, match="V \\+ K"):
             jax.jit(jax.shard_map(
                 lambda *a: kda_jax.chunk_kda(*a, context_axis="cp", implementation="triton")[0],
-                mesh=mesh, in_specs=(TOK,) * 5, out_specs=TOK, check_vma=False))(
+                mesh=mesh, in_specs=(TOK,) * 5, out_specs=TOK))(
                 *(jax.device_put(jnp.asarray(a), NamedSharding(mesh, TOK))
                   for a in wide.args()))

@@ -35,10 +35,11 @@ from kda_jax.bounds import SeqBounds, chunk_table, next_pow2, packed_metadata
 from kda_jax.configs import BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward import chunk_kda_triton, forward_launches, split_state_k, work_dtype
-from kda_jax.triton.forward_only import unbatchable
+from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, PACKED, ROWS, STATE, foldable
 from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel,
                                    stand_in)
-from kda_jax.triton.partitioning import CALL, GRAD_CALL, GRADS, PARAMS, partitioned
+from kda_jax.triton.partitioning import (CALL, GRAD_CALL, GRADS, PARAMS, partitioned,
+                                         unpartitioned_under_vmap)
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
 
@@ -256,16 +257,36 @@ def _poisoned(poison, q_bad, bounds: SeqBounds):
     return rows, seen[cu[1:]] - seen[cu[:-1]] > 0
 
 
+# The layouts of the kernel-level functions (kda_jax.triton.batching): the
+# forward's (q, k, v, g, beta, initial_state, A_log, dt_bias, bounds) -> (o,
+# final), and core_backward's packed tokens (q, k, v, g, beta, initial_state,
+# do, dht, bounds) -> (dq, dk, dv, dg, dbeta, dh0).
+FORWARD_INPUTS = (ROWS,) * 5 + (STATE, HEAD_PARAM, HEAD_PARAM, BOUNDS)
+FORWARD_OUTPUTS = (ROWS, STATE)
+BACKWARD_INPUTS = (PACKED,) * 5 + (STATE, PACKED, STATE, BOUNDS)
+BACKWARD_OUTPUTS = (PACKED,) * 5 + (STATE,)
+
+
 def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config):
-    """The forward, partitioned under a sharded jit
-    (:mod:`kda_jax.triton.partitioning`); jax.vmap of it raises kda_jax's
-    error (no batching rule)."""
-    run = lambda *args: chunk_kda_triton(*args[:8], opts=opts, bounds=args[8], config=config)
-    return unbatchable(partitioned(run, CALL[:9], ("o", "state")), _FORM)(
-        q, k, v, g, beta, initial_state, A_log, dt_bias, bounds)
+    """The forward's launches: partitioned under a sharded jit
+    (:mod:`kda_jax.triton.partitioning`), one launch for the mapped batch
+    under jax.vmap (:mod:`kda_jax.triton.batching`)."""
+    def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds):
+        return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
+                                bounds=bounds, config=config)
+
+    run = foldable(partitioned(run, CALL[:9], ("o", "state")), FORWARD_INPUTS, FORWARD_OUTPUTS)
+    return run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds)
 
 
-_FORM = "chunk_kda on the Triton path (implementation='triton', the default on a GPU)"
+def _backward_kernels(q, k, v, g, beta, initial_state, do, dht, opts, bounds, config):
+    """:func:`core_backward`; under jax.vmap one launch per kernel for the mapped batch."""
+    def run(q, k, v, g, beta, initial_state, do, dht, bounds):
+        return core_backward(q, k, v, g, beta, initial_state, do, dht, opts=opts,
+                             bounds=bounds, config=config)
+
+    run = foldable(run, BACKWARD_INPUTS, BACKWARD_OUTPUTS)
+    return run(q, k, v, g, beta, initial_state, do, dht, bounds)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
@@ -280,9 +301,13 @@ def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, 
 
 
 def _bwd(opts, bounds, config, bwd_config, residuals, cotangents):
+    # Partitioned under a sharded jit; under jax.vmap (which has no rule for
+    # a custom_partitioning) the plain gradients, whose kernel part folds the
+    # mapped axis into one launch.
     run = lambda *args: _grads(*args[:8], *args[9:], opts=opts, bounds=args[8],
                                bwd_config=bwd_config)
-    return partitioned(run, GRAD_CALL, GRADS, summed=PARAMS)(*residuals, bounds, *cotangents)
+    step = unpartitioned_under_vmap(partitioned(run, GRAD_CALL, GRADS, summed=PARAMS), run)
+    return step(*residuals, bounds, *cotangents)
 
 
 def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: KdaOptions,
@@ -304,9 +329,8 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
     if dht is not None:
         state_axes = (slice(None), slice(None), None, None)
         dht = jnp.where(finals[state_axes], jnp.zeros((), dht.dtype), dht)
-    dq, dk, dv, dg, dbeta, dh0 = core_backward(
-        tq, tk, tv, tg, tb, initial_state, do, dht, opts=opts, bounds=bounds,
-        config=bwd_config)
+    dq, dk, dv, dg, dbeta, dh0 = _backward_kernels(tq, tk, tv, tg, tb, initial_state, do, dht,
+                                                   opts, bounds, bwd_config)
     # A value head's q/k gradient belongs to its group's q/k head.
     group = lambda x: x.reshape(tokens, h, hv // h, kd).sum(axis=2)
     dq, dk = group(dq), group(dk)

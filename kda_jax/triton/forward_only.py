@@ -4,12 +4,14 @@ kda_jax error that names the form and the alternative.
 The Triton launches (jax-triton's custom call, or ``jax.pure_callback`` in
 interpret mode) have neither a JVP nor a batching rule, so JAX would fail deep
 inside with its own message ("Pure callbacks do not support JVP", a missing
-batching rule). :func:`forward_only` wraps such a form in a ``jax.custom_jvp``
-whose rule raises :class:`NotDifferentiableError`, around
-:func:`unbatchable`: a ``jax.custom_batching.custom_vmap`` whose rule raises
-:class:`NotBatchableError` (chunk_kda's differentiable Triton path uses that
-one alone, inside its ``jax.custom_vjp``).
-Both rules run at trace time only; the forward value and ``jax.jit`` are
+batching rule). :func:`not_differentiable` wraps a form in a
+``jax.custom_jvp`` whose rule raises :class:`NotDifferentiableError`;
+:func:`unbatchable` in a ``jax.custom_batching.custom_vmap`` whose rule raises
+:class:`NotBatchableError`; :func:`forward_only` does both (the serving forms:
+a pool or a VarlenBatch). fused_recurrent_kda with host bounds is
+not_differentiable around a batching rule (:mod:`kda_jax.triton.batching`);
+chunk_kda with host bounds has both rules.
+The rules run at trace time only; the forward value and ``jax.jit`` are
 unchanged (the primal is the wrapped function itself).
 """
 
@@ -20,7 +22,8 @@ from collections.abc import Callable
 import jax
 
 __all__ = ["UnsupportedTransformError", "NotDifferentiableError", "NotBatchableError",
-           "forward_only", "unbatchable", "GRAD_ALTERNATIVE", "VMAP_ALTERNATIVE"]
+           "forward_only", "not_differentiable", "unbatchable", "GRAD_ALTERNATIVE",
+           "VMAP_ALTERNATIVE"]
 
 GRAD_ALTERNATIVE = (
     "differentiable are chunk_kda's Triton path with host bounds (cu_seqlens None, a list, a "
@@ -28,8 +31,10 @@ GRAD_ALTERNATIVE = (
     "(both functions, a state_cache, a VarlenBatch)"
 )
 VMAP_ALTERNATIVE = (
-    "under jax.vmap use implementation='xla', or fold the mapped axis into the call instead "
-    "(more rows of B, or more sequences in cu_seqlens)"
+    "on the Triton path jax.vmap folds the mapped axis into one launch with host bounds "
+    "(cu_seqlens None, a list, a NumPy array or a SeqBounds) and no state_cache; with this "
+    "form use implementation='xla' under jax.vmap, or fold the mapped axis into the call "
+    "(more sequences in the batch and in state_indices)"
 )
 
 
@@ -60,7 +65,7 @@ def unbatchable(fn: Callable, form: str) -> Callable:
     @unbatched.def_vmap
     def _no_vmap(axis_size, in_batched, *args):
         raise NotBatchableError(
-            f"jax.vmap of {form} is not supported: its Triton kernels have no batching rule; "
+            f"jax.vmap of {form} is not supported: the serving forms have no batching rule; "
             f"{VMAP_ALTERNATIVE}"
         )
 
@@ -70,11 +75,16 @@ def unbatchable(fn: Callable, form: str) -> Callable:
 def forward_only(fn: Callable, form: str) -> Callable:
     """:func:`unbatchable` ``fn`` whose differentiation (jax.grad, jax.jvp,
     jax.vjp) also raises, with :class:`NotDifferentiableError`."""
-    unbatched = unbatchable(fn, form)
+    return not_differentiable(unbatchable(fn, form), form)
+
+
+def not_differentiable(fn: Callable, form: str) -> Callable:
+    """``fn`` with the same value (and batching) whose differentiation
+    (jax.grad, jax.jvp, jax.vjp) raises :class:`NotDifferentiableError`."""
 
     @jax.custom_jvp
     def primal(*args):
-        return unbatched(*args)
+        return fn(*args)
 
     @primal.defjvp
     def _no_jvp(primals, tangents):

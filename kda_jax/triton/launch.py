@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_jax import configs
+from kda_jax import configs, vma
 from kda_jax.configs import DOT_MODES
 from kda_jax.kernels import signatures
 from kda_jax.triton import compat, host_call
@@ -260,7 +260,19 @@ def launch(kernel, *args, grid, out_shape, name, num_warps=4, num_stages=2,
     out_shape = list(out_shape)
     aliases = _check_aliases(args, out_shape, input_output_aliases)
     if interpret_mode():
-        return _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliases)
+        outs = _interpret(kernel, args, grid, out_shape, zeroed_outputs, constexprs, aliases)
+    else:
+        outs = _triton_call(kernel, args, grid, out_shape, name, num_warps, num_stages,
+                            zeroed_outputs, aliases, constexprs)
+    # Inside jax.shard_map the launch computes the device's own data, but
+    # neither the callback nor the custom call types its outputs as varying
+    # over the mesh axes: they take the inputs' axes (kda_jax.vma).
+    return vma.like(outs, [a for a in args if not isinstance(a, (int, np.integer))])
+
+
+def _triton_call(kernel, args, grid, out_shape, name, num_warps, num_stages, zeroed_outputs,
+                 aliases, constexprs):
+    """The launch through jax-triton's custom call (a GPU, or lowering for one)."""
     import jax_triton as jt
 
     compat.install()  # ROCm fixes and target-arch lowering, once (compat.py)

@@ -50,7 +50,7 @@ from kda_jax.bounds import SeqBounds
 from kda_jax.pool import StatePool
 from kda_jax.triton import host_call
 
-__all__ = ["partitioned", "check_auto_axes", "ROLES", "CALL", "GRAD_CALL", "GRADS", "PARAMS"]
+__all__ = ["partitioned", "unpartitioned_under_vmap", "check_auto_axes", "ROLES", "CALL", "GRAD_CALL", "GRADS", "PARAMS"]
 
 # The role of each dimension: what it may be sharded with (None: gathered).
 _B = "batch"  # B, the rows
@@ -268,6 +268,26 @@ def _rule(spec, mesh, operand_types, result_types):
 
 _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
                            sharding_rule=_rule)
+
+
+def unpartitioned_under_vmap(fn: Callable, plain: Callable) -> Callable:
+    """``fn`` (a :func:`partitioned` function), whose jax.vmap runs
+    ``jax.vmap(plain)`` instead: custom_partitioning has no batching rule.
+    ``plain`` computes the same value without the partitioning (its own
+    batching rules fold the mapped axis into the launches)."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return fn(*args)
+
+    @call.def_vmap
+    def rule(size, in_batched, *args):
+        axes = tuple(jax.tree.map(lambda b: 0 if b else None, batched)
+                     for batched in in_batched)
+        out = jax.vmap(plain, in_axes=axes, axis_size=size)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call
 
 
 def check_auto_axes(arrays) -> None:

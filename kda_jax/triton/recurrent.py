@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from kda_jax import pool as state_pool
-from kda_jax.bounds import next_pow2
 from kda_jax.batch import kernel_metadata
+from kda_jax.bounds import SeqBounds, next_pow2
 from kda_jax.configs import RecurrentConfig
 from kda_jax.options import KdaOptions
-from kda_jax.triton.forward_only import forward_only
+from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, ROWS, STATE, foldable
+from kda_jax.triton.forward_only import forward_only, not_differentiable
 from kda_jax.triton.launch import KernelLaunch, launch_kernel, stand_in, transform_constexprs
 from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton.state_args import kernel_states
@@ -81,19 +82,35 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
     VarlenBatch (a batch's padded sequence slots already masked in ``pool``).
     See kda_jax.fused_recurrent_kda.
 
-    Forward only in every form: jax.grad and jax.vmap of it raise
-    (:mod:`kda_jax.triton.forward_only`)."""
+    Forward only in every form: jax.grad of it raises
+    (:mod:`kda_jax.triton.forward_only`). jax.vmap folds the mapped axis into
+    the one launch (:mod:`kda_jax.triton.batching`) with host bounds and no
+    pool; the serving forms (a pool, a VarlenBatch) raise under it."""
+    if pool is None and isinstance(bounds, SeqBounds):
+        def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds):
+            return _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
+                           bounds=bounds, config=config, pool=None)
 
-    def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool):
+        run = foldable(partitioned(run, CALL[:9], ("o", "state")), LAUNCH_INPUTS,
+                       LAUNCH_OUTPUTS)
+        return not_differentiable(run, _FORM)(q, k, v, g, beta, initial_state, A_log, dt_bias,
+                                              bounds)
+
+    def serve(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool):
         return _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
                        bounds=bounds, config=config, pool=pool)
 
+    with_what = "a state_cache" if pool is not None else "a VarlenBatch as cu_seqlens"
     outs = ("o", "state" if pool is None else "cache")
-    return forward_only(partitioned(run, CALL, outs), _FORM)(
+    return forward_only(partitioned(serve, CALL, outs), f"{_FORM} with {with_what}")(
         q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool)
 
 
 _FORM = "fused_recurrent_kda on the Triton path (implementation='triton', the default on a GPU)"
+# The launch's layout without a pool (kda_jax.triton.batching): (q, k, v, g,
+# beta, initial_state, A_log, dt_bias, bounds) -> (o, final_state).
+LAUNCH_INPUTS = (ROWS,) * 5 + (STATE, HEAD_PARAM, HEAD_PARAM, BOUNDS)
+LAUNCH_OUTPUTS = (ROWS, STATE)
 
 
 def _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts: KdaOptions, bounds,
