@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import io
@@ -53,8 +54,8 @@ import sys
 import tempfile
 import time
 
-__all__ = ["TARGETS", "SPECS", "SUMMARY_SPEC", "Spec", "compile_one", "run", "summary",
-           "summary_table", "main"]
+__all__ = ["TARGETS", "SPECS", "SUMMARY_SPEC", "Spec", "compile_one", "plan_one", "run",
+           "summary", "summary_table", "main"]
 
 KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # The backward's kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
@@ -210,9 +211,11 @@ def _launch_for(kernel: str, target: str, spec: Spec):
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
-def _signature(fn, function: str, spec: Spec, work: str, constexprs: dict):
+def _signature(fn, function: str, in_dtype: str, work: str, constexprs: dict):
     """(signature, attrs) for ASTSource from the kernel's signature table
-    (kda_jax.kernels.signatures), checked against its parameters."""
+    (kda_jax.kernels.signatures), checked against its parameters; ``in_dtype``
+    and ``work`` are Triton type names ("bf16", "fp32") of the "in" and "work"
+    arrays. A function of its arguments only: :func:`_binary_key` relies on it."""
     from kda_jax.kernels.signatures import SIGNATURES
     from kda_jax.triton.launch import runtime_params
 
@@ -234,7 +237,7 @@ def _signature(fn, function: str, spec: Spec, work: str, constexprs: dict):
             signature[p.name] = "constexpr"
             continue
         kind = kinds[p.name]
-        ty = {"in": "*" + spec.dtype, "work": "*" + work}.get(kind, kind)
+        ty = {"in": "*" + in_dtype, "work": "*" + work}.get(kind, kind)
         signature[p.name] = ty
         # jax-triton 0.3.1: arrays are assumed 16-byte aligned, scalars unspecialized.
         attrs[(i,)] = [["tt.divisibility", 16]] if ty.startswith("*") else []
@@ -298,12 +301,19 @@ def _sm90_occupancy(regs: int, smem: int, num_warps: int) -> int:
 
 
 def _sass_matrix_ops(cubin: bytes):
-    """{opcode: count} of HGMMA / HMMA in the SASS (Triton's bundled
-    cuobjdump), or None where it cannot run."""
+    """{opcode: count} of HGMMA / HMMA in the SASS (``cuobjdump -sass`` of
+    Triton's bundled cuobjdump), or None where it cannot run. The raw listing
+    is read: triton.tools.disasm.get_sass reformats every line, which costs
+    time and changes no opcode."""
     try:
-        from triton.tools.disasm import get_sass
+        from triton import knobs
 
-        sass = get_sass(cubin)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", path],
+                                  capture_output=True, text=True, check=True).stdout
     except Exception:  # no cuobjdump: the PTX's counts stand alone
         return None
     ops: dict = {}
@@ -350,6 +360,52 @@ def _matrix_fields(compiled, backend=None, target=None, launch=None) -> dict:
 # --------------------------------------------------------------------------- #
 
 
+def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
+    """(fn, signature, attrs, options): with ``launch.constexprs`` and the
+    target, everything ``triton.compile`` is given for this row."""
+    import triton
+
+    from kda_jax.triton.launch import kernel_function
+
+    name = _FUNCTION.get(kernel, kernel)
+    fn = kernel_function(name)
+    if not isinstance(fn, triton.runtime.JITFunction):
+        raise RuntimeError(
+            f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
+            "set when the kernels were imported; compile through kda_jax.aot.run, whose "
+            "worker processes drop it")
+    signature, attrs = _signature(fn, name, spec.dtype, work, launch.constexprs)
+    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
+                   enable_fp_fusion=True, debug=False)  # as jax-triton compiles
+    return fn, signature, attrs, options
+
+
+def _launch_fields(launch, config) -> dict:
+    """A row's fields that come from the launch (they differ between the rows
+    of one binary: the config may hold values this kernel does not read)."""
+    return dict(config=dataclasses.asdict(config), num_warps=launch.num_warps,
+                num_stages=launch.num_stages, constexprs=launch.constexprs)
+
+
+def plan_one(kernel: str, target: str, spec: Spec):
+    """(binary key, launch fields) of a row, or (None, None) when its launch
+    cannot be worked out (:func:`compile_one` then records why).
+
+    The key is every input of ``triton.compile`` (:func:`_compile_args`): the
+    kernel function, signature, constexprs, attributes, target and options;
+    rows with equal keys compile to the same binary. Runs in :func:`run`'s
+    workers, where the kernels are real JITFunctions."""
+    try:
+        launch, config, work = _launch_for(kernel, target, spec)
+        fn, signature, attrs, options = _compile_args(kernel, target, spec, launch, work)
+    except Exception:
+        return None, None
+    key = (_FUNCTION.get(kernel, kernel), TARGETS[target], tuple(sorted(signature.items())),
+           tuple(sorted((k, repr(v)) for k, v in launch.constexprs.items())),
+           tuple(sorted((k, repr(v)) for k, v in attrs.items())), tuple(sorted(options.items())))
+    return key, _launch_fields(launch, config)
+
+
 def compile_one(kernel: str, target: str, spec: Spec) -> dict:
     """Compiles ``kernel`` for ``target`` at ``spec``; returns its result row."""
     t0 = time.perf_counter()
@@ -357,28 +413,17 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
                config=None, num_warps=None, num_stages=None,
                vgprs=None, agprs=None, sgprs=None, vgpr_spills=None, spill_loads=None,
                sgpr_spills=None, scratch=None, lds_bytes=None, occupancy=None,
-               ok=False, error=None, compile_s=None, **_matrix_fields(None))
+               ok=False, error=None, compile_s=None, same_binary_as=None,
+               **_matrix_fields(None))
     try:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from kda_jax.triton.launch import kernel_function
-
         launch, config, work = _launch_for(kernel, target, spec)
-        row.update(config=dataclasses.asdict(config), num_warps=launch.num_warps,
-                   num_stages=launch.num_stages, constexprs=launch.constexprs)
-        name = _FUNCTION.get(kernel, kernel)
-        fn = kernel_function(name)
-        if not isinstance(fn, triton.runtime.JITFunction):
-            raise RuntimeError(
-                f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
-                "set when the kernels were imported; compile through kda_jax.aot.run, whose "
-                "worker processes drop it")
-        signature, attrs = _signature(fn, name, spec, work, launch.constexprs)
+        row.update(_launch_fields(launch, config))
+        fn, signature, attrs, options = _compile_args(kernel, target, spec, launch, work)
         backend, arch, warp = TARGETS[target]
-        options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
-                       enable_fp_fusion=True, debug=False)  # as jax-triton compiles
         src = ASTSource(fn, signature, dict(launch.constexprs), attrs)
         log = io.StringIO()
         if backend == "cuda":
@@ -435,13 +480,26 @@ def _worker_init(cache_dir: str):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _shared_row(compiled: dict, kernel: str, target: str, spec: Spec, fields: dict) -> dict:
+    """The row of (kernel, target, spec), whose binary ``compiled``'s compile made."""
+    row = copy.deepcopy(compiled)
+    row.update(kernel=kernel, target=target, spec=spec.name, spec_detail=dataclasses.asdict(spec),
+               **copy.deepcopy(fields), compile_s=None,
+               same_binary_as=f"{compiled['kernel']} {compiled['spec']}")
+    return row
+
+
 def run(targets=tuple(TARGETS), specs=SPECS, kernels=ALL_KERNELS, jobs: int = 2,
         progress=None) -> list[dict]:
     """Compiles every (kernel, target, spec); rows in that order.
 
     Compiles in ``jobs`` fresh processes (so an interpreter setting of the
     caller does not leak in) over a fresh Triton cache (so every row comes from
-    a real compile and sm90's ptxas log is seen).
+    a real compile and sm90's ptxas log is seen). Rows whose compile inputs
+    agree (:func:`plan_one`; e.g. a kernel that reads neither the chunk size
+    nor the flags) share one compile: each still gets its row, its launch
+    fields its own, ``same_binary_as`` naming the row compiled ("kernel spec")
+    and ``compile_s`` None; a compile that fails or spills fails them all.
     """
     work = [(kn, tg, sp) for tg in targets for sp in specs for kn in kernels]
     rows = [None] * len(work)
@@ -450,7 +508,17 @@ def run(targets=tuple(TARGETS), specs=SPECS, kernels=ALL_KERNELS, jobs: int = 2,
         with concurrent.futures.ProcessPoolExecutor(
                 max_workers=max(1, min(jobs, len(work))), mp_context=ctx,
                 initializer=_worker_init, initargs=(cache,)) as pool:
-            futures = {pool.submit(compile_one, *item): i for i, item in enumerate(work)}
+            plans = list(pool.map(plan_one, *zip(*work), chunksize=16)) if work else []
+            first: dict = {}  # binary key -> index of the row that compiles it
+            followers: dict = {}  # index of a compiled row -> indices of rows sharing it
+            for i, (key, _) in enumerate(plans):
+                if key is not None and key in first:
+                    followers.setdefault(first[key], []).append(i)
+                    continue
+                if key is not None:
+                    first[key] = i
+            futures = {pool.submit(compile_one, *work[i]): i
+                       for i in range(len(work)) if plans[i][0] is None or first[plans[i][0]] == i}
             for fut in concurrent.futures.as_completed(futures):
                 i = futures[fut]
                 try:
@@ -459,8 +527,11 @@ def run(targets=tuple(TARGETS), specs=SPECS, kernels=ALL_KERNELS, jobs: int = 2,
                     kn, tg, sp = work[i]
                     rows[i] = dict(kernel=kn, target=tg, spec=sp.name, ok=False,
                                    error=f"worker failed: {type(e).__name__}: {e}")
-                if progress:
-                    progress(rows[i])
+                for j in [i] + followers.get(i, []):
+                    if j != i:
+                        rows[j] = _shared_row(rows[i], *work[j], plans[j][1])
+                    if progress:
+                        progress(rows[j])
     return rows
 
 
@@ -638,8 +709,10 @@ def main(argv=None) -> int:
     def progress(r):
         if not args.quiet:
             state = "ok" if r.get("ok") else "FAIL"
+            how = (f"same binary as {r['same_binary_as']}" if r.get("same_binary_as")
+                   else f"{r.get('compile_s')} s")
             print(f"  {state:4} {r['target']:8} {r['spec']:22} {_SHORT.get(r['kernel'])} "
-                  f"({r.get('compile_s')} s)", file=sys.stderr, flush=True)
+                  f"({how})", file=sys.stderr, flush=True)
 
     sources = _source_hashes()
     t0 = time.perf_counter()
@@ -653,8 +726,9 @@ def main(argv=None) -> int:
     print("\nPer kernel and target (matrix counts are static proxies: see kda_jax.aot_isa)")
     print(summary_table(report_summary))
     failed = [r for r in rows if not r.get("ok")]
-    print(f"\n{len(rows)} compiles, {len(failed)} failed, {elapsed:.0f} s "
-          f"(triton {triton.__version__}, {args.jobs} jobs)")
+    compiled = sum(1 for r in rows if not r.get("same_binary_as"))
+    print(f"\n{len(rows)} rows, {compiled} compiles (the other rows share one's binary), "
+          f"{len(failed)} failed, {elapsed:.0f} s (triton {triton.__version__}, {args.jobs} jobs)")
     for r in failed:
         print(f"FAIL {r['kernel']} {r['target']} {r['spec']}: {r.get('error')}\n")
     if args.json:

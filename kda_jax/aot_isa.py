@@ -38,6 +38,7 @@ matrix instruction keeps its matrix unit busy.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import os
 import re
@@ -317,7 +318,16 @@ def source_loops(path: str) -> list[dict]:
     file (``tl.static_range`` is unrolled by Triton and left out), each as
     {file, line, end, text, args (ast nodes), constexprs (names of the
     enclosing function's constexpr parameters)}, plus the module's integer
-    constants under the key "constants" of every entry."""
+    constants under the key "constants" of every entry. The entries are shared
+    between calls on an unchanged file: read them, do not modify them."""
+    st = os.stat(path)
+    return list(_source_loops(path, st.st_mtime_ns, st.st_size))
+
+
+# Keyed by the file's mtime and size, so an edited file is parsed again: the
+# AOT report profiles hundreds of compiles of the same few kernel sources.
+@functools.lru_cache(maxsize=32)
+def _source_loops(path: str, mtime_ns: int, size: int) -> tuple:
     with open(path) as f:
         tree = ast.parse(f.read())
     constants = {}
@@ -345,7 +355,7 @@ def source_loops(path: str) -> list[dict]:
                             text=f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}",
                             args=[a for a in node.iter.args[:3]], constexprs=cexpr,
                             constants=constants))
-    return out
+    return tuple(out)
 
 
 def _eval(node, names: dict):
