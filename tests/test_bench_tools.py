@@ -90,3 +90,39 @@ def test_plot_refuses_a_file_that_is_not_rows(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="non-empty JSON list of rows"):
         plot.render(str(bad))
+
+
+def test_aot_compare_summary_against_report(tmp_path, capsys):
+    """bench.aot_compare: a summary (one spec, all_specs) before, a full report after."""
+    from bench import aot_compare
+
+    def entry(spec, occ, cyc, **kw):
+        return dict(spec=spec, num_warps=4, vgprs=200, lds_bytes=16384, occupancy=occ,
+                    vgpr_spills=0, scratch=0, est_matrix_cycles=cyc,
+                    matrix_ops_per_program={"v_mfma_f32_32x32x2_f32": cyc // 64}, **kw)
+
+    before = {"kernels": {"kda_bwd_wy_kernel": {
+        "gfx950": entry("main/c64/default", 2, 8192, all_specs={"min_occupancy": 1}),
+        "sm90": entry("main/c64/default", 8, 100)}}}
+    after = {"results": [dict(kernel="kda_bwd_wy_kernel", target="gfx950", **entry(s, o, c))
+                         for s, o, c in (("main/c64/default", 1, 2048), ("x/c32/all", 3, 1024))]}
+    paths = []
+    for name, report in (("b.json", before), ("a.json", after)):
+        (tmp_path / name).write_text(json.dumps(report))
+        paths.append(str(tmp_path / name))
+    out = tmp_path / "cmp.json"
+    assert aot_compare.main([*paths, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())  # sm90 is not an AMD target
+    assert (row["kernel"], row["target"], row["spec"]) == ("kda_bwd_wy_kernel", "gfx950",
+                                                           "main/c64/default")
+    assert row["ratio"]["est_matrix_cycles"] == 0.25 and row["ratio"]["occupancy"] == 0.5
+    assert row["before"]["min_occupancy"] == 1 and row["after"]["min_occupancy"] == 1
+    assert "occupancy_fell_at" not in row  # one spec in common: nothing per spec to compare
+    assert row["before_source"] == paths[0] and "commit" in row
+    assert "8192 -> 2048" in capsys.readouterr().out
+    # Two full reports: the specs where the occupancy fell are named.
+    fell = aot_compare.load(paths[1])
+    for r in fell[("kda_bwd_wy_kernel", "gfx950")].values():
+        r["occupancy"] = 0
+    (row,) = aot_compare.compare(aot_compare.load(paths[1]), fell, ["gfx950"], "main/c64/default")
+    assert row["occupancy_fell_at"] == {"main/c64/default": [1, 0], "x/c32/all": [3, 0]}
