@@ -148,13 +148,15 @@ FORWARD = {
         state_block_v=32, state_warps=2, state_stages=2,
         state_block_v_wide=32, state_warps_wide=2,
         state_block_v_fp32=32, state_warps_fp32=2, state_stages_fp32=1),
-    # gfx950's entry: the same wave64 CU (CDNA3), with 64 KiB of LDS.
+    # gfx950's entry (the same wave64 CU, CDNA3, with 64 KiB of LDS) but for
+    # the float32 state tiles: [K, 16] at 4 waves, since bf16x3 products of
+    # [K, 32] at 2 waves take 277 VGPRs and halve the occupancy.
     "gfx942": ForwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16", inverse_dot="bf16x3", fp32_dot="bf16x3",
         state_block_v=32, state_warps=2, state_stages=2,
         state_block_v_wide=32, state_warps_wide=2,
-        state_block_v_fp32=32, state_warps_fp32=2, state_stages_fp32=1),
+        state_block_v_fp32=16, state_warps_fp32=4, state_stages_fp32=1),
     # Wave32: twice gfx950's warps for the same tiles (docs/rocm.md).
     "gfx1250": ForwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
@@ -478,7 +480,8 @@ BACKWARD = {
     # the inter kernel (bf16x6 there halves occupancy or spills, for little
     # matrix work), and the wy kernel's float32 form as on sm90. gfx950: 2
     # waves of 64 for the state passes, whose float32 form takes one stage to
-    # fit 160 KiB of LDS.
+    # fit 160 KiB of LDS; 16-wide intra K blocks (sm90's), where 32-wide ones
+    # under bf16x3 hold 264-352 VGPRs, one wave per SIMD.
     "gfx950": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
@@ -487,7 +490,7 @@ BACKWARD = {
         state_stages_fp32=1, dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee"),
+        intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee"),
     # 64 KiB of LDS fits the state passes at one stage and 4 waves; the intra
     # kernel takes 16-wide K blocks (32 spill a VGPR), the wy kernel 16 x 16
     # blocks (32 x 32 halve its occupancy under bf16x3).
@@ -500,7 +503,10 @@ BACKWARD = {
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee"),
-    # Wave32: twice gfx950's warps for the recompute and the wy kernel.
+    # Wave32: twice gfx950's warps for the recompute and the wy kernel (whose
+    # bf16x3 products hold 244 VGPRs at every tile and warp count compiled:
+    # 4 waves per SIMD, 6 under ieee; docs/tuning.md); 16-wide intra K blocks
+    # as gfx950's (32-wide ones hold 619 VGPRs at chunk 64).
     "gfx1250": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
@@ -509,7 +515,7 @@ BACKWARD = {
         state_stages_fp32=2, dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee"),
+        intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee"),
     # Any other GPU: fp32 products, moderate tiles.
     "default": BackwardConfig(
         prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
