@@ -136,6 +136,11 @@ def compare(name: str, ours: dict, triton: dict | None, naive: dict | None) -> l
     return rows
 
 
+def _progress(what: str):
+    """A line on stderr as each stage ends (fla's autotuning and our compiles take minutes)."""
+    print(f"[bench.layer] {what}", file=sys.stderr, flush=True)
+
+
 def parity(fla: FlaPeer, config: dict, cases: dict, implementation) -> list[dict]:
     from kda_jax.nn import from_fla_state_dict
 
@@ -147,6 +152,7 @@ def parity(fla: FlaPeer, config: dict, cases: dict, implementation) -> list[dict
             if "error" in msg:
                 raise FlaUnavailable(f"fla's parity job failed: {msg['error']}\n{fla.tail()}")
             files[(msg["row"]["case"], msg["row"]["variant"])] = msg["row"]["file"]
+            _progress(f"fla's layer: {msg['row']['case']} ({msg['row']['variant']}) done")
         layer = our_layer(config, implementation)
         from_fla_state_dict(dict(np.load(os.path.join(directory, "weights.npz"))), layer)
         rows = []
@@ -154,6 +160,7 @@ def parity(fla: FlaPeer, config: dict, cases: dict, implementation) -> list[dict
             inputs = dict(np.load(os.path.join(directory, f"{name}-inputs.npz")))
             load = lambda v: dict(np.load(files[(name, v)])) if (name, v) in files else None
             rows += compare(name, run_ours(layer, name, inputs), load("triton"), load("naive"))
+            _progress(f"ours: {name} done")
         return rows
     finally:
         shutil.rmtree(directory, ignore_errors=True)
