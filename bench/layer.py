@@ -2,6 +2,7 @@
 parity (the same weights and bf16 inputs) and timing, in one run.
 
     python -m bench.layer [--json bench/results/h200-layer.json] [--no-fla] [--smoke]
+    python -m bench.layer --skip-timing --fla-first-config   # parity alone, quickly
 
 Parity: fla's layer is built (fla's init, bf16, on the GPU) in a child process
 (bench.layer_fla; torch and JAX run badly in one process, see bench.fla_peer),
@@ -256,6 +257,9 @@ def main(argv=None) -> int:
                         "the interpreter, its naive float32 path); ours in float32, XLA")
     p.add_argument("--fla-python", default=sys.executable,
                    help="the Python that runs fla's child (one with torch and fla)")
+    p.add_argument("--fla-first-config", action="store_true",
+                   help="fla's autotuned kernels take their first config (for --skip-timing: "
+                        "parity does not depend on the tuning, which takes minutes per shape)")
     p.add_argument("--mode", default="chunk", choices=("chunk", "fused_recurrent"),
                    help="our layer's mode (fused_recurrent: a quick check of the code "
                         "path on a CPU; its Triton form has no backward)")
@@ -267,6 +271,10 @@ def main(argv=None) -> int:
         config, cases = dict(CPU, dtype="float32", mode=args.mode), CASES["smoke"]
         args.impl, args.skip_timing, args.no_fla = "xla", True, False
         child.append("--cpu")
+    elif args.fla_first_config:
+        if not args.skip_timing:
+            p.error("--fla-first-config would time fla untuned: use it with --skip-timing")
+        child.append("--first-config")
     tokens = args.tokens or (64 if args.smoke else 8192)
     decode_seqs = args.decode_seqs or (4 if args.smoke else 256)
     fla = None

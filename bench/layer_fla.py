@@ -21,7 +21,7 @@ Jobs:
 
 NumPy helpers at the top are shared with the parent (no torch, no JAX there).
 
-    python -m bench.layer_fla [--cpu]     # the child; bench.layer starts it
+    python -m bench.layer_fla [--cpu | --first-config]   # the child; bench.layer starts it
 """
 
 from __future__ import annotations
@@ -177,10 +177,10 @@ def naive_ops(active: bool):
 DEVICE = ["cuda"]
 
 
-def _cpu_setup():
-    """Before triton is imported: the interpreter, and one config per autotuned
-    kernel (the interpreter has no benchmarking driver)."""
-    os.environ["TRITON_INTERPRET"] = "1"
+def _first_config_only():
+    """Before fla is imported: each autotuned kernel keeps its first config
+    (parity only: the results do not depend on the tuning, and fla's
+    autotuning of every new shape takes minutes)."""
     import triton.runtime.autotuner as autotuner
 
     init = autotuner.Autotuner.__init__
@@ -190,6 +190,13 @@ def _cpu_setup():
         self.configs = self.configs[:1]
 
     autotuner.Autotuner.__init__ = first_config_only
+
+
+def _cpu_setup():
+    """Before triton is imported: the interpreter, and one config per autotuned
+    kernel (the interpreter has no benchmarking driver)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    _first_config_only()
     DEVICE[0] = "cpu"
 
 
@@ -355,6 +362,8 @@ JOBS = {"parity": parity_job, "timing": timing_job}
 def child_main():
     if "--cpu" in sys.argv[1:]:
         _cpu_setup()
+    elif "--first-config" in sys.argv[1:]:
+        _first_config_only()
     import torch
 
     from bench.meta import versions
