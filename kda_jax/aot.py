@@ -172,12 +172,11 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
     import jax.numpy as jnp
 
     from kda_jax.configs import backward_config
-    from kda_jax.triton.backward import backward_launches, recompute_launch
-    from kda_jax.triton.forward import work_dtype
+    from kda_jax.triton.backward import backward_launches, backward_work_dtype, recompute_launch
 
     opts, _, _, has_h0 = _spec_options(spec)
     config = backward_config(target, spec.chunk)
-    work = work_dtype({"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype])
+    work = backward_work_dtype({"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype], config)
     if kernel == "kda_bwd_recompute":
         launch = recompute_launch(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
                                   config=config, work=work)

@@ -41,7 +41,8 @@ from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launc
 from kda_jax.triton.partitioning import (CALL, GRAD_CALL, GRADS, PARAMS, partitioned,
                                          unpartitioned_under_vmap)
 
-__all__ = ["chunk_kda_triton_grad", "backward_launches", "core_backward", "recompute_launch"]
+__all__ = ["chunk_kda_triton_grad", "backward_launches", "backward_work_dtype", "core_backward",
+           "recompute_launch"]
 
 
 def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -61,6 +62,16 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                                   has_a_log=False, has_dt_bias=False,
                                   has_initial_state=False, store_x=True)
     return prepare
+
+
+def backward_work_dtype(input_dtype, config: BackwardConfig, *, interpret: bool = False):
+    """The dtype of the backward's intermediates (the recompute's w, u, qg, kt,
+    Aqk; v_new and dv_new): :func:`kda_jax.triton.forward.work_dtype`, or
+    float32 with ``config.fp32_intermediates`` (16-bit ones put the gate
+    parameters' gradients above 1e-3: configs.BackwardConfig)."""
+    if config.fp32_intermediates:
+        return jnp.dtype(jnp.float32)
+    return work_dtype(input_dtype, interpret=interpret)
 
 
 def _block(n: int, cap: int) -> int:
@@ -142,7 +153,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     bt = opts.chunk_size
     n = bounds.num_seqs
     f32 = jnp.float32
-    work = work_dtype(q.dtype, interpret=interpret_mode())
+    work = backward_work_dtype(q.dtype, config, interpret=interpret_mode())
     meta = packed_metadata(bounds, bt)
     n_chunks = chunk_table(bounds, bt).shape[0]
     state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
