@@ -440,3 +440,18 @@ def test_amd_configs_grads_on_this_gpu(arch, name, check_rel_rms):
     tol = TOL_BF16 if name == "bf16" else TOL
     failures = _check_all(ref, got, params, wrt, tol, check_rel_rms, kind=f"grad {arch}")
     assert not failures, f"{arch} {name}: " + "; ".join(failures)
+
+
+def test_backward_intermediates_float32_only_with_the_in_kernel_gate():
+    """16-bit inputs keep 16-bit backward intermediates (the fast path) unless
+    the in-kernel gate's parameter gradients need float32 ones."""
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton.backward import backward_work_dtype
+
+    config = configs.backward_config("sm90")
+    plain, gated = KdaOptions(scale=1.0), KdaOptions(scale=1.0, use_gate_in_kernel=True)
+    assert backward_work_dtype(jnp.bfloat16, plain, config) == jnp.bfloat16
+    assert backward_work_dtype(jnp.bfloat16, gated, config) == jnp.float32
+    off = dataclasses.replace(config, gate_fp32_intermediates=False)
+    assert backward_work_dtype(jnp.float16, gated, off) == jnp.float16
+    assert backward_work_dtype(jnp.float32, plain, config) == jnp.float32
