@@ -177,7 +177,7 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
     opts, _, _, has_h0 = _spec_options(spec)
     config = backward_config(target, spec.chunk)
     work = backward_work_dtype({"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype], opts,
-                               config)
+                               config, spec.K)
     if kernel == "kda_bwd_recompute":
         launch = recompute_launch(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
                                   config=config, work=work)

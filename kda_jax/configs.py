@@ -414,9 +414,10 @@ class BackwardConfig:
       (see ForwardConfig.prepare_dot).
     fp32_dot: precision of the state passes' and the inter kernel's products
       when the intermediates are float32 (16-bit ones multiply exactly).
-    gate_fp32_intermediates: with the in-kernel gate (use_gate_in_kernel),
-      16-bit inputs get float32 intermediates (and the *_fp32 fields), as
-      float32 inputs do. The gate parameters' gradients (dA_log, ddt_bias)
+    gate_fp32_max_k: with the in-kernel gate (use_gate_in_kernel), 16-bit
+      inputs get float32 intermediates (and the *_fp32 fields), as float32
+      inputs do, for K up to this (0: never; past it the float32 state passes
+      spill on that arch and chunk). The gate parameters' gradients (dA_log, ddt_bias)
       sum the per-token gate gradient over every token and channel; that
       gradient is a difference of nearly equal sums, and the rounding of each
       16-bit intermediate (w, u, qg, kt, Aqk, v_new, dv_new, and h / dS
@@ -453,7 +454,7 @@ class BackwardConfig:
     intra_warps: int = 4
     product_dot: str = "ieee"
     fp32_dot: str = "ieee"
-    gate_fp32_intermediates: bool = True
+    gate_fp32_max_k: int = 256
 
     def __post_init__(self):
         _check_fields(
@@ -467,9 +468,12 @@ class BackwardConfig:
                   "wy_dot_fp32", "product_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
-        for name in ("dstate_split_k", "gate_fp32_intermediates"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.dstate_split_k, bool):
+            raise ValueError(f"dstate_split_k={self.dstate_split_k!r} must be True or False")
+        if (not isinstance(self.gate_fp32_max_k, int) or isinstance(self.gate_fp32_max_k, bool)
+                or self.gate_fp32_max_k < 0):
+            raise ValueError(f"gate_fp32_max_k={self.gate_fp32_max_k!r} must be an int >= 0 "
+                             "(0: 16-bit intermediates with the in-kernel gate too)")
 
 
 # One entry per arch at chunk 64, then at chunk 32; every field written out,
@@ -477,7 +481,9 @@ class BackwardConfig:
 BACKWARD = {
     # Split-bf16 products with 16-bit inputs (tf32 ones miss the gate
     # parameters' gradient bar), tf32x3 ones with float32 intermediates; the
-    # largest wy and intra blocks that compile without spills at every spec.
+    # largest wy and intra blocks that compile without spills at every spec;
+    # the in-kernel gate's float32 intermediates up to K = 128 (at K = 256 the
+    # float32 state passes spill over a KiB).
     "sm90": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
@@ -487,7 +493,7 @@ BACKWARD = {
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=32, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
-        gate_fp32_intermediates=True),
+        gate_fp32_max_k=128),
     # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
     # w/u included); float32 intermediates keep "ieee" in the state passes and
     # the inter kernel (bf16x6 there halves occupancy or spills, for little
@@ -504,7 +510,7 @@ BACKWARD = {
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
-        gate_fp32_intermediates=True),
+        gate_fp32_max_k=256),
     # 64 KiB of LDS fits the state passes at one stage and 4 waves; the intra
     # kernel takes 16-wide K blocks (32 spill a VGPR), the wy kernel 16 x 16
     # blocks (32 x 32 halve its occupancy under bf16x3).
@@ -517,7 +523,7 @@ BACKWARD = {
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
-        gate_fp32_intermediates=True),
+        gate_fp32_max_k=256),
     # Wave32: twice gfx950's warps for the recompute and the wy kernel (whose
     # bf16x3 products hold 244 VGPRs at every tile and warp count compiled:
     # 4 waves per SIMD, 6 under ieee; docs/tuning.md); 16-wide intra K blocks
@@ -531,7 +537,7 @@ BACKWARD = {
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
-        gate_fp32_intermediates=True),
+        gate_fp32_max_k=256),
     # Any other GPU: fp32 products, moderate tiles.
     "default": BackwardConfig(
         prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
@@ -541,12 +547,13 @@ BACKWARD = {
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
         intra_block_k=32, intra_warps=4, product_dot="ieee", fp32_dot="ieee",
-        gate_fp32_intermediates=True),
+        gate_fp32_max_k=256),
 }
 BACKWARD_C32 = {
     # 64-wide recompute slices and 16-wide inter blocks, where the chunk-64
     # entry spills under ptxas's register caps at chunk 32; dS in one tile;
-    # float32 intermediates as at chunk 64.
+    # the in-kernel gate's float32 intermediates up to K = 64 (the float32
+    # state passes spill 8-64 bytes at K = 100).
     "sm90": BackwardConfig(
         prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
@@ -556,7 +563,7 @@ BACKWARD_C32 = {
         inter_block_k=16, inter_block_v=16, inter_block_v_fp32=16, inter_warps=4,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
-        gate_fp32_intermediates=True),
+        gate_fp32_max_k=64),
     # As at chunk 64.
     "gfx950": BACKWARD["gfx950"],
     "gfx942": BACKWARD["gfx942"],

@@ -444,14 +444,18 @@ def test_amd_configs_grads_on_this_gpu(arch, name, check_rel_rms):
 
 def test_backward_intermediates_float32_only_with_the_in_kernel_gate():
     """16-bit inputs keep 16-bit backward intermediates (the fast path) unless
-    the in-kernel gate's parameter gradients need float32 ones."""
+    the in-kernel gate's parameter gradients need float32 ones, up to the K
+    where the config's float32 state passes still compile without spills."""
     from kda_jax.options import KdaOptions
     from kda_jax.triton.backward import backward_work_dtype
 
     config = configs.backward_config("sm90")
     plain, gated = KdaOptions(scale=1.0), KdaOptions(scale=1.0, use_gate_in_kernel=True)
-    assert backward_work_dtype(jnp.bfloat16, plain, config) == jnp.bfloat16
-    assert backward_work_dtype(jnp.bfloat16, gated, config) == jnp.float32
-    off = dataclasses.replace(config, gate_fp32_intermediates=False)
-    assert backward_work_dtype(jnp.float16, gated, off) == jnp.float16
-    assert backward_work_dtype(jnp.float32, plain, config) == jnp.float32
+    assert backward_work_dtype(jnp.bfloat16, plain, config, 128) == jnp.bfloat16
+    assert backward_work_dtype(jnp.bfloat16, gated, config, 128) == jnp.float32
+    assert backward_work_dtype(jnp.bfloat16, gated, config, 256) == jnp.bfloat16
+    off = dataclasses.replace(config, gate_fp32_max_k=0)
+    assert backward_work_dtype(jnp.float16, gated, off, 64) == jnp.float16
+    assert backward_work_dtype(jnp.float32, plain, config, 64) == jnp.float32
+    with pytest.raises(ValueError, match="gate_fp32_max_k"):
+        dataclasses.replace(config, gate_fp32_max_k=True)

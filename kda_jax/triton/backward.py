@@ -64,14 +64,14 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     return prepare
 
 
-def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, *,
+def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, kd: int, *,
                         interpret: bool = False):
     """The dtype of the backward's intermediates (the recompute's w, u, qg, kt,
     Aqk; v_new and dv_new): :func:`kda_jax.triton.forward.work_dtype`, or
-    float32 with the in-kernel gate under ``config.gate_fp32_intermediates``
+    float32 with the in-kernel gate for K up to ``config.gate_fp32_max_k``
     (16-bit ones put the gate parameters' gradients above 1e-3:
     configs.BackwardConfig)."""
-    if opts.use_gate_in_kernel and config.gate_fp32_intermediates:
+    if opts.use_gate_in_kernel and kd <= config.gate_fp32_max_k:
         return jnp.dtype(jnp.float32)
     return work_dtype(input_dtype, interpret=interpret)
 
@@ -155,7 +155,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     bt = opts.chunk_size
     n = bounds.num_seqs
     f32 = jnp.float32
-    work = backward_work_dtype(q.dtype, opts, config, interpret=interpret_mode())
+    work = backward_work_dtype(q.dtype, opts, config, q.shape[-1], interpret=interpret_mode())
     meta = packed_metadata(bounds, bt)
     n_chunks = chunk_table(bounds, bt).shape[0]
     state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
