@@ -19,6 +19,18 @@ from .varlen import chunk_span
 # products of such factors with O(1) keys stay far inside float32.
 ANCHOR_SPAN = tl.constexpr(60.0)
 
+# A chunk past ANCHOR_SPAN takes the blocked path (products anchored per
+# BS-row block, chunk_fwd._blocked_product) while its depth max(-G_last) keeps
+# the rounding of differences of G small against the inputs' precision: each
+# G carries about |G| * 6e-8, so a product's factor up to about
+# depth * 1.2e-7 relative in the worst case (the outputs' relative RMS error
+# comes to about depth * 1e-8): 4096 for 16-bit inputs (at most about 5e-4,
+# fp16's unit roundoff), 1024 for float32 ones (about 1e-5 RMS against their
+# 1e-4 tolerance). Deeper chunks take the exact pairwise path.
+BS = tl.constexpr(16)
+BLOCKED_DEPTH_16 = tl.constexpr(4096.0)
+BLOCKED_DEPTH_32 = tl.constexpr(1024.0)
+
 
 @triton.jit
 def dot(a, b, DOT: tl.constexpr):
@@ -115,6 +127,28 @@ def anchored_ok(gc, r_anchor, r_last, p_hk, n_rows, HV: tl.constexpr, K: tl.cons
         b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, o_k < K, n_rows, HV, K)
         b_span = tl.maximum(b_span, tl.maximum(-b_A, b_A - b_last))
     return tl.max(b_span, axis=0) <= ANCHOR_SPAN
+
+
+@triton.jit
+def product_path(gc, r_anchor, r_last, p_hk, n_rows, HV: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr, IN_BITS: tl.constexpr):
+    """Which path the chunk's intra-chunk products take: 0 anchored (as
+    anchored_ok), 1 blocked (the chunk's depth max(-G_last) within
+    BLOCKED_DEPTH_16 / _32 for IN_BITS-bit inputs), 2 exact pairwise. One
+    reduction pass for the whole chunk, as anchored_ok."""
+    b_span = tl.zeros([BK], dtype=tl.float32)
+    b_depth = tl.zeros([BK], dtype=tl.float32)
+    for ks in tl.static_range(0, K, BK):
+        o_k = ks + tl.arange(0, BK)
+        b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, o_k < K, n_rows, HV, K)
+        b_span = tl.maximum(b_span, tl.maximum(-b_A, b_A - b_last))
+        b_depth = tl.maximum(b_depth, -b_last)
+    if IN_BITS == 16:
+        depth_max = BLOCKED_DEPTH_16
+    else:
+        depth_max = BLOCKED_DEPTH_32
+    path = tl.where(tl.max(b_depth, axis=0) <= depth_max, 1, 2)
+    return tl.where(tl.max(b_span, axis=0) <= ANCHOR_SPAN, 0, path)
 
 
 @triton.jit
