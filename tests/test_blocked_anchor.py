@@ -1,0 +1,132 @@
+"""Strong but ordinary gates (docs/kda.md "Strong gates"): chunks past the
+anchored path's span take the blocked-anchor products, forward and backward,
+and match the float32 reference in float32 and bf16. Gates: a Kimi/KDA
+layer's in-kernel gate -exp(A_log) * softplus(x) with exp(A_log) in [1, 16]
+and x ~ N(0, 1), and plain log-decays in [-12, -3] per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda_jax
+from kda_jax.kernels import chunk_bwd, chunk_fwd
+from kda_jax.testing import make_inputs
+from kda_jax.triton import interpret_mode, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=f"Triton path unavailable: {unavailable_reason()}")
+
+# A chunk of 64 rows and one of 36; K = 80 spans two K slices of the
+# forward (a partial one) and of the backward's products.
+SHAPE = dict(B=1, T=100, H=2, K=80, V=16)
+GRAD_TOL = 1e-4 if (interpret_mode() or jax.default_backend() == "cpu") else 1e-3
+# bf16 inputs: tests/test_triton_grad.py's targets.
+GRAD_TOL_BF16 = dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2,
+                     A_log=2e-2, dt_bias=2e-2)
+
+
+def _case(kind, dtype, a=(3.0, 12.0)):
+    """(inputs, chunk_kda keyword arguments). ``a``: exp(A_log) per head for
+    the in-kernel gate (depths of about 150 and 600 per 64-row chunk)."""
+    x = make_inputs(11, dtype=dtype, raw_gate=kind == "gate", **SHAPE)
+    if kind == "gate":
+        x.A_log[:] = np.log(np.asarray(a, np.float32))
+        x.dt_bias[:] = 0.0
+        return x, dict(use_gate_in_kernel=True)
+    x.g = -np.random.default_rng(12).uniform(3.0, 12.0, x.g.shape).astype(np.float32)
+    return x, {}
+
+
+def _call(fn, params, kw, **extra):
+    gate = {n: params[n] for n in ("A_log", "dt_bias")} if kw else {}
+    return fn(params["q"], params["k"], params["v"], params["g"], params["beta"],
+              initial_state=params["initial_state"], output_final_state=True, **kw, **gate,
+              **extra)
+
+
+def _params(x, kw):
+    names = ["q", "k", "v", "g", "beta", "initial_state"] + (["A_log", "dt_bias"] if kw else [])
+    return {n: jnp.asarray(getattr(x, n)) for n in names}
+
+
+def _f32(params):
+    return {n: jnp.asarray(p, jnp.float32) for n, p in params.items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["gate", "plain"])
+def test_forward_matches_reference(kind, dtype, check_close):
+    x, kw = _case(kind, jnp.dtype(dtype))
+    params = _params(x, kw)
+    o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton")
+    ro, rs = _call(kda_jax.naive_recurrent_kda, _f32(params), kw)
+    check_close(o, ro, dtype, "o")
+    check_close(s, rs, dtype, "final_state")
+
+
+@pytest.mark.parametrize("kind,dtype", [("gate", "float32"), ("plain", "bfloat16")])
+def test_gradients_match_reference(kind, dtype, check_rel_rms):
+    x, kw = _case(kind, jnp.dtype(dtype))
+    params = _params(x, kw)
+    rng = np.random.default_rng(1)
+    w_o = rng.standard_normal((1, SHAPE["T"], SHAPE["H"], SHAPE["V"])).astype(np.float32)
+    w_s = rng.standard_normal((1, SHAPE["H"], SHAPE["K"], SHAPE["V"])).astype(np.float32)
+
+    def grads(fn, p, **extra):
+        def loss(p):
+            o, s = _call(fn, p, kw, **extra)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
+        return jax.jit(jax.grad(loss))(p)
+
+    ref = grads(kda_jax.naive_recurrent_kda, _f32(params))
+    got = grads(kda_jax.chunk_kda, params, implementation="triton")
+    for n, r in ref.items():
+        tol = GRAD_TOL if dtype == "float32" else GRAD_TOL_BF16[n]
+        check_rel_rms(got[n], r, tol, f"d{n}")
+
+
+def _spy(monkeypatch, module, name, calls):
+    """Counts the interpreter's calls of a kernel helper (module-level names
+    are looked up at each call there)."""
+    orig = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+@pytest.mark.skipif(not interpret_mode(), reason="observes the kernels in the interpreter")
+def test_layer_gates_take_the_blocked_path(monkeypatch):
+    """The layer's gates (every chunk past ANCHOR_SPAN) take the blocked
+    products, forward and backward, and never the pairwise ones; a head
+    decayed at the floor on every token (past the depth bound) still takes
+    the pairwise ones."""
+    calls = {}
+    for module, names in ((chunk_fwd, ("_anchored_product", "_blocked_product",
+                                       "_pairwise_product")),
+                          (chunk_bwd, ("_products_blocked_bwd", "_products_exact_bwd"))):
+        for name in names:
+            _spy(monkeypatch, module, name, calls)
+    shape = dict(SHAPE, T=128, K=32)  # two full chunks per head
+    x = make_inputs(11, dtype=jnp.bfloat16, raw_gate=True, **shape)
+    x.A_log[:] = np.log([3.0, 12.0])
+    x.dt_bias[:] = 0.0
+    params = _params(x, True)
+    kw = dict(use_gate_in_kernel=True)
+    jax.jit(jax.grad(lambda p: jnp.sum(
+        _call(kda_jax.chunk_kda, p, kw, implementation="triton")[0].astype(jnp.float32)))
+    )(params)
+    assert set(calls) == {"_blocked_product", "_products_blocked_bwd"}, calls
+
+    calls.clear()
+    params["A_log"] = jnp.asarray(np.log([3.0, 1e4]), jnp.float32)
+    _call(kda_jax.chunk_kda, params, kw, implementation="triton")
+    # Per pass of the prepare kernel, one call per chunk: head 0's two
+    # chunks blocked, head 1's pairwise.
+    assert calls == {"_blocked_product": 4, "_pairwise_product": 4}, calls
