@@ -42,11 +42,12 @@ dbeta comes in two parts (the wy kernel's [T, HV] and the intra kernel's
 kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
-have exponents <= 0, and the products' backward anchors on the chunk's middle
-row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback. The
-inter kernel and that fallback take exponents that are differences of G as
-partial sums of the log-decays g (the caller floors g at GATE_FLOOR), with
-error relative to themselves, not to |G|.
+have exponents <= 0, and the products' backward takes the forward's path
+(common.product_path): anchored on the chunk's middle row within
+e^(+-ANCHOR_SPAN), anchored per BS-row block, or an exact column-by-column
+fallback. The inter kernel and that fallback take exponents that are
+differences of G as partial sums of the log-decays g (the caller floors g at
+GATE_FLOOR), with error relative to themselves, not to |G|.
 """
 
 import triton
@@ -325,37 +326,37 @@ def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
 
 
 @triton.jit
-def _products_blocked_bwd(b_q, b_k, b_G, b_dl, b_daqs, q, k, gc, beta, dl, daqk, t0, n_rows,
-                          o_t, i_h, i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, BT: tl.constexpr, DOT: tl.constexpr):
+def _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0, n_rows, o_t, i_h,
+                          i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, DOT: tl.constexpr):
     """Backward of the intra-chunk products anchored per BS-row block, as
     the forward's chunk_fwd._blocked_product: row block I against the columns
     j < n_I through G at row n_I (row factors e^(G_i - G_{n_I}) and column
-    factors e^(G_{n_I} - G_j), both <= 1), four masked products per block;
+    factors e^(G_{n_I} - G_j), both <= 1), four masked products per block,
+    dL and dAqk loaded each just before its two (one [BT, BT] tile live);
     the diagonal blocks in BS steps, step s pairing row n_J + s of every
-    block with the block's other rows, through one exponent tile
-    (G_i - G_j for the rows below it, G_j - G_i above: <= 0 both) and rows
-    of k, q, G, beta, dL and dAqk loaded at n_J + s. Exponents are
-    differences of G: common.product_path admits only chunks shallow enough.
+    block with the block's other rows through one exponent tile (G_i - G_j
+    for the rows below it, G_j - G_i above: <= 0 both) and rows of k, q, G,
+    beta, dL and dAqk loaded at n_J + s. Exponents are differences of G:
+    common.product_path admits only chunks shallow enough.
 
     Returns (Qd, Dk, P) for this K slice: Qd_i = sum_j dAqk_ij k_j e_ij,
     Dk_j = sum_i (beta_i dL_ij k_i + dAqk_ij q_i) e_ij and
     P_i = sum_j dL_ij k_j e_ij, e_ij = e^(G_i - G_j), i >= j."""
     p_hk = i_hv * K
     blk = (o_t // BS) * BS
-    b_b = tl.load(beta + (t0 + o_t).to(tl.int64) * HV + i_hv, mask=o_t < n_rows,
-                  other=0.).to(tl.float32)
+    m_rows = o_t < n_rows
+    p_row = (t0 + o_t).to(tl.int64) * HV + i_hv
+    p_tt = p_row[:, None] * BT + o_t[None, :]
+    b_b = tl.load(beta + p_row, mask=m_rows, other=0.).to(tl.float32)
     m_any = (o_t * 0 < n_rows)[:, None] & m_k[None, :]
     r_blk = (t0 + tl.maximum(tl.minimum(blk, n_rows - 1), 0)).to(tl.int64)
     b_er = tl.exp(b_G - tl.load(gc + r_blk[:, None] * (HV * K) + p_hk + o_k[None, :],
                                 mask=m_any, other=0.))
-    b_kr = b_k * b_er
-    b_qr = b_q * b_er
-    b_dlb = b_dl * b_b[:, None]
     b_p = tl.zeros_like(b_k)
     b_qd = tl.zeros_like(b_k)
     b_dk = tl.zeros_like(b_k)
-    for I in tl.static_range(1, BT // BS):
+    for I in range(1, BT // BS):
         r_I = (t0 + tl.maximum(tl.minimum(I * BS, n_rows - 1), 0)).to(tl.int64)
         b_AI = tl.load(gc + r_I * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows),
                        other=0.)
@@ -363,14 +364,15 @@ def _products_blocked_bwd(b_q, b_k, b_G, b_dl, b_daqs, q, k, gc, beta, dl, daqk,
         b_ec = tl.where(m_c, tl.exp(tl.where(m_c, b_AI[None, :] - b_G, 0.)), 0.)
         m_r = (blk == I * BS)[:, None]
         b_kc = b_k * b_ec
-        b_p += tl.where(m_r, dot(b_dl, b_kc, DOT), 0.)
-        b_qd += tl.where(m_r, dot(b_daqs, b_kc, DOT), 0.)
-        b_dkc = dot(tl.trans(b_dlb), tl.where(m_r, b_kr, 0.), DOT)
-        b_dkc += dot(tl.trans(b_daqs), tl.where(m_r, b_qr, 0.), DOT)
+        b_m = tl.load(dl + p_tt, mask=m_rows[:, None], other=0.)
+        b_p += tl.where(m_r, dot(b_m, b_kc, DOT), 0.)
+        b_dkc = dot(tl.trans(b_m), tl.where(m_r, b_k * b_er * b_b[:, None], 0.), DOT)
+        b_m = tl.load(daqk + p_tt, mask=m_rows[:, None], other=0.)
+        b_qd += tl.where(m_r, dot(b_m, b_kc, DOT), 0.)
+        b_dkc += dot(tl.trans(b_m), tl.where(m_r, b_q * b_er, 0.), DOT)
         b_dk += b_dkc * b_ec
     b_p = b_p * b_er
     b_qd = b_qd * b_er
-    p_row = (t0 + o_t).to(tl.int64) * HV + i_hv
     for s in range(0, BS):
         jr = blk + s
         m_j = jr < n_rows
@@ -386,16 +388,16 @@ def _products_blocked_bwd(b_q, b_k, b_G, b_dl, b_daqs, q, k, gc, beta, dl, daqk,
         m_lo = (o_t - blk >= s)[:, None]   # rows i >= n_J + s: pairs (i, n_J + s)
         m_hi = (o_t - blk <= s)[:, None]   # rows j <= n_J + s: pairs (n_J + s, j)
         b_e = tl.exp(tl.where(m_lo, b_G - b_Gs, b_Gs - b_G))
-        m_rows = o_t < n_rows
         # dL and dAqk at (i, n_J + s) and at (n_J + s, j), loaded.
-        b_lc = tl.load(dl + p_row * BT + jr, mask=m_rows & m_j, other=0.)
-        b_qc = tl.load(daqk + p_row * BT + jr, mask=m_rows & m_j, other=0.)
-        b_lr = tl.load(dl + (r_j * HV + i_hv) * BT + o_t, mask=m_rows & m_j, other=0.)
-        b_qrw = tl.load(daqk + (r_j * HV + i_hv) * BT + o_t, mask=m_rows & m_j, other=0.)
+        m_v = m_rows & m_j
+        b_lc = tl.load(dl + p_row * BT + jr, mask=m_v, other=0.)
+        b_qc = tl.load(daqk + p_row * BT + jr, mask=m_v, other=0.)
+        b_lr = tl.load(dl + (r_j * HV + i_hv) * BT + o_t, mask=m_v, other=0.)
+        b_qr = tl.load(daqk + (r_j * HV + i_hv) * BT + o_t, mask=m_v, other=0.)
         b_kse = tl.where(m_lo, b_ks * b_e, 0.)
         b_p += b_lc[:, None] * b_kse
         b_qd += b_qc[:, None] * b_kse
-        b_dk += tl.where(m_hi, ((b_lr * b_bs)[:, None] * b_ks + b_qrw[:, None] * b_qs) * b_e,
+        b_dk += tl.where(m_hi, ((b_lr * b_bs)[:, None] * b_ks + b_qr[:, None] * b_qs) * b_e,
                          0.)
     return b_qd, b_dk, b_p
 
@@ -522,8 +524,7 @@ def kda_bwd_intra_kernel(
     m_tt = m_t[:, None]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     r_anchor, r_last = anchor_rows(t0, n_rows, BT)
-    path = product_path(gc, r_anchor, r_last, i_hv * K, n_rows, HV, K, BK,
-                        q.dtype.element_ty.primitive_bitwidth)
+    path = product_path(gc, r_anchor, r_last, i_hv * K, n_rows, HV, K, BK)
 
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -532,10 +533,10 @@ def kda_bwd_intra_kernel(
     b_G, b_A, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
-    b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
-    b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
-    b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
     if path == 0:
+        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
+        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
+        b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
         b_er = tl.exp(b_G - b_A[None, :])
         b_ec = tl.exp(b_A[None, :] - b_G)
         b_kr = b_k * b_er
@@ -557,16 +558,19 @@ def kda_bwd_intra_kernel(
         b_dk += b_dkc * b_ec
         b_dG -= b_dkc * b_kc
     elif path == 1:
-        b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
-        b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
-        e_dq, e_dk, e_p = _products_blocked_bwd(b_q, b_k, b_G, b_dl, b_daqs, q, k, gc, beta, dl,
-                                                daqk, t0, n_rows, o_t, i_h, i_hv, o_k, m_k, H,
-                                                HV, K, BT, DOT_A)
+        # The partials are loaded after the products (fewer tiles live).
+        e_dq, e_dk, e_p = _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0,
+                                                n_rows, o_t, i_h, i_hv, o_k, m_k, H, HV, K, BT,
+                                                DOT_A)
         b_db = tl.sum(e_p * b_k, axis=1)
-        b_dk += e_dk + e_p * b_b[:, None]
-        b_dq += e_dq
-        b_dG += e_p * b_b[:, None] * b_k + e_dq * b_q - e_dk * b_k
+        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.) + e_dk + e_p * b_b[:, None]
+        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.) + e_dq
+        b_dG = (tl.load(dg_w + p_tk, mask=m_tk, other=0.) + e_p * b_b[:, None] * b_k
+                + e_dq * b_q - e_dk * b_k)
     else:
+        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
+        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
+        b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
         b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
         b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
         b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)

@@ -23,11 +23,12 @@ arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 
 The prepare kernel works on whole-chunk tiles [BT, BK]. Every exponent of a
 decay factor is bounded: the intra-chunk products anchor on the middle row of
-the chunk (factors within e^(+-ANCHOR_SPAN): kernels/common.py, anchored_ok)
-and fall back to exact pairwise exponents, column by column, for a chunk
-whose gates are steeper; there the exponents are partial sums of the
-log-decays (floored at GATE_FLOOR, kernels/gate.py), so their error is
-relative to themselves, not to |G|.
+the chunk (factors within e^(+-ANCHOR_SPAN)); a chunk whose gates are
+steeper anchors per BS-row block (factors <= 1) while its depth keeps the
+rounding of differences of G small, and falls back to exact pairwise
+exponents, column by column, beyond (kernels/common.py, product_path); there
+the exponents are partial sums of the log-decays (floored at GATE_FLOOR,
+kernels/gate.py), so their error is relative to themselves, not to |G|.
 """
 
 import triton
@@ -107,7 +108,7 @@ def _anchored_product(b_a, b_k, b_G, b_A, DOT: tl.constexpr):
     by the caller), for one K slice, as one matrix product through the anchor
     A (b_A: the middle row's G): the row factor e^(G_i - A) and the column
     factor e^(A - G_j) each stay within e^(+-ANCHOR_SPAN) when the chunk's
-    gates allow it (common.anchored_ok); otherwise
+    gates allow it (common.product_path); otherwise _blocked_product or
     _pairwise_product."""
     b_kc = b_k * tl.exp(b_A[None, :] - b_G)
     return dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
@@ -276,8 +277,7 @@ def kda_fwd_prepare_kernel(
         m_k = o_k < K
         b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
         tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
-    path = product_path(gc, r_anchor, r_last, p_hk, n_rows, HV, K, BK,
-                        q.dtype.element_ty.primitive_bitwidth)
+    path = product_path(gc, r_anchor, r_last, p_hk, n_rows, HV, K, BK)
 
     # Pass 1 over K slices: Aqk, q*exp(G)*scale and k*exp(G_last - G).
     # Aqk and Akk get a pass each, so only one [BT, BT] accumulator is live
