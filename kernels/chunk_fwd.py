@@ -257,9 +257,9 @@ def kda_fwd_prepare_kernel(
         b_alog = tl.load(A_log + i_hv).to(tl.float32)
 
     # Pass 0: G, the chunk-local cumsum of the log-decay, into the scratch
-    # gc; then, from its anchor and last rows, exp(G_last) and one test for
-    # the whole chunk of whether the anchored products are safe (a reduction
-    # across the program is a barrier: one per chunk, not one per slice).
+    # gc; then, from its anchor and last rows, exp(G_last) and one decision
+    # for the whole chunk of which path its products take (a reduction
+    # across the program is a barrier: once per chunk, not once per slice).
     p_hk = i_hv * K
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
@@ -281,9 +281,9 @@ def kda_fwd_prepare_kernel(
 
     # Pass 1 over K slices: Aqk, q*exp(G)*scale and k*exp(G_last - G).
     # Aqk and Akk get a pass each, so only one [BT, BT] accumulator is live
-    # at a time (registers, not loads, bound this kernel). Without the fast
+    # at a time (registers, not loads, bound this kernel). On the pairwise
     # path, exponents that are differences of G come from partial sums of
-    # the log-decays instead (reloaded: the slow path only).
+    # the log-decays instead (reloaded: that path only).
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
