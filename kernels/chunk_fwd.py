@@ -135,7 +135,7 @@ def _blocked_product(b_out, b_a, b_k, b_G, k, gc, t0, n_rows, o_t, i_h, i_hv, o_
     r_blk = (t0 + tl.maximum(tl.minimum(blk, n_rows - 1), 0)).to(tl.int64)
     b_Ab = tl.load(gc + r_blk[:, None] * (HV * K) + p_hk + o_k[None, :], mask=m_any, other=0.)
     b_ar = b_a * tl.exp(b_G - b_Ab)
-    for I in tl.static_range(1, BT // BS):
+    for I in range(1, BT // BS):
         r_I = (t0 + tl.maximum(tl.minimum(I * BS, n_rows - 1), 0)).to(tl.int64)
         b_AI = tl.load(gc + r_I * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
         m_c = o_t[:, None] < I * BS
