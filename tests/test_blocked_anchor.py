@@ -132,3 +132,36 @@ def test_layer_gates_take_the_blocked_path(monkeypatch):
     # Per pass of the prepare kernel, one call per chunk: head 0's two
     # chunks blocked, head 1's pairwise.
     assert calls == {"_blocked_product": 4, "_pairwise_product": 4}, calls
+
+
+@pytest.mark.parametrize("field", ["k", "q"])
+def test_nonfinite_stays_causal(field):
+    """A NaN in k (q) at token 20 of a blocked-path chunk: outputs before it
+    (and the gradients there, with its outputs' cotangents zero) are
+    bit-identical to the run with a zero there; o from token 20 on (at token
+    20 only) is NaN (tests/test_nonfinite.py's contract on the anchored path)."""
+    x, kw = _case("plain", jnp.dtype("float32"), dict(SHAPE, T=64, H=1))
+    tok = 20
+    bad, clean = _params(x, kw), _params(x, kw)
+    bad[field] = bad[field].at[0, tok, 0, 3].set(jnp.nan)
+    clean[field] = clean[field].at[0, tok, 0, 3].set(0.0)
+    out = lambda p: _call(kda_jax.chunk_kda, p, kw, implementation="triton")[0]
+    o, oc = np.asarray(out(bad)), np.asarray(out(clean))
+    np.testing.assert_array_equal(o[0, :tok], oc[0, :tok])
+    assert np.isnan(o[0, tok]).all()
+    if field == "q":
+        np.testing.assert_array_equal(o[0, tok + 1:], oc[0, tok + 1:])
+    else:
+        assert np.isnan(o[0, tok:]).all()
+    w = np.random.default_rng(2).standard_normal(o.shape).astype(np.float32)
+    w[0, tok:] = 0.0
+
+    def grads(p):
+        return jax.grad(lambda p: jnp.sum(jnp.where(w != 0, out(p), 0.0) * w))(p)
+
+    gb, gc = jax.jit(grads)(bad), jax.jit(grads)(clean)
+    for n in gb:
+        assert np.isfinite(np.asarray(gb[n])).all(), f"d{n} is not finite"
+        rows = slice(None) if n == "initial_state" else (0, slice(0, tok))
+        np.testing.assert_array_equal(np.asarray(gb[n])[rows], np.asarray(gc[n])[rows],
+                                      err_msg=n)
