@@ -32,25 +32,28 @@ GRAD_TOL_BF16 = dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e
 
 def _case(kind, dtype, shape=SHAPE, a=(3.0, 12.0)):
     """(inputs, chunk_kda keyword arguments). ``a``: exp(A_log) per head for
-    the in-kernel gate (depths of about 150 and 600 per 64-row chunk)."""
-    x = make_inputs(11, dtype=dtype, raw_gate=kind == "gate", **shape)
-    if kind == "gate":
+    the in-kernel gate (depths of about 150 and 600 per 64-row chunk), which
+    comes with the in-kernel L2 norm of q and k."""
+    gate = kind == "gate"
+    x = make_inputs(11, dtype=dtype, raw_gate=gate, normalized_k=not gate, **shape)
+    if gate:  # as a layer: q and k normalized in the kernel
         x.A_log[:] = np.log(np.asarray(a, np.float32))
         x.dt_bias[:] = 0.0
-        return x, dict(use_gate_in_kernel=True)
+        return x, dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
     x.g = -np.random.default_rng(12).uniform(3.0, 12.0, x.g.shape).astype(np.float32)
     return x, {}
 
 
 def _call(fn, params, kw, **extra):
-    gate = {n: params[n] for n in ("A_log", "dt_bias")} if kw else {}
+    gate = {n: params[n] for n in ("A_log", "dt_bias")} if "A_log" in params else {}
     return fn(params["q"], params["k"], params["v"], params["g"], params["beta"],
               initial_state=params["initial_state"], output_final_state=True, **kw, **gate,
               **extra)
 
 
 def _params(x, kw):
-    names = ["q", "k", "v", "g", "beta", "initial_state"] + (["A_log", "dt_bias"] if kw else [])
+    gate = ["A_log", "dt_bias"] if kw.get("use_gate_in_kernel") else []
+    names = ["q", "k", "v", "g", "beta", "initial_state"] + gate
     return {n: jnp.asarray(getattr(x, n)) for n in names}
 
 
@@ -119,8 +122,8 @@ def test_layer_gates_take_the_blocked_path(monkeypatch):
     x = make_inputs(11, dtype=jnp.bfloat16, raw_gate=True, **shape)
     x.A_log[:] = np.log([3.0, 12.0])
     x.dt_bias[:] = 0.0
-    params = _params(x, True)
     kw = dict(use_gate_in_kernel=True)
+    params = _params(x, kw)
     jax.jit(jax.grad(lambda p: jnp.sum(
         _call(kda_jax.chunk_kda, p, kw, implementation="triton")[0].astype(jnp.float32)))
     )(params)
