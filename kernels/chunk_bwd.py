@@ -42,18 +42,19 @@ dbeta comes in two parts (the wy kernel's [T, HV] and the intra kernel's
 kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
-have exponents <= 0, and the products' backward anchors on the chunk's middle
-row within e^(+-ANCHOR_SPAN), with an exact column-by-column fallback. The
-inter kernel and that fallback take exponents that are differences of G as
-partial sums of the log-decays g (the caller floors g at GATE_FLOOR), with
-error relative to themselves, not to |G|.
+have exponents <= 0, and the products' backward takes the forward's path
+(common.product_path): anchored on the chunk's middle row within
+e^(+-ANCHOR_SPAN), anchored per BS-row block, or an exact column-by-column
+fallback. The inter kernel and that fallback take exponents that are
+differences of G as partial sums of the log-decays g (the caller floors g at
+GATE_FLOOR), with error relative to themselves, not to |G|.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (anchor_rows, anchored_ok, chunk_rows, col_of, dot, g_rows, g_tile, row_of,
-                     suffix_exponent, tile)
+from .common import (BS, anchor_rows, chunk_rows, col_of, dot, g_rows, g_tile, product_path,
+                     row_of, suffix_exponent, tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
 
@@ -325,6 +326,83 @@ def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
 
 
 @triton.jit
+def _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0, n_rows, o_t, i_h,
+                          i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, DOT: tl.constexpr):
+    """Backward of the intra-chunk products anchored per BS-row block, as
+    the forward's chunk_fwd._blocked_product: row block I against the columns
+    j < n_I through G at row n_I (row factors e^(G_i - G_{n_I}) and column
+    factors e^(G_{n_I} - G_j), both <= 1), four masked products per block,
+    dL and dAqk loaded each just before its two (one [BT, BT] tile live);
+    the diagonal blocks in BS steps, step s pairing row n_J + s of every
+    block with the block's other rows through one exponent tile (G_i - G_j
+    for the rows below it, G_j - G_i above: <= 0 both) and rows of k, q, G,
+    beta, dL and dAqk loaded at n_J + s. Exponents are differences of G:
+    common.product_path admits only chunks shallow enough.
+
+    Returns (Qd, Dk, P) for this K slice: Qd_i = sum_j dAqk_ij k_j e_ij,
+    Dk_j = sum_i (beta_i dL_ij k_i + dAqk_ij q_i) e_ij and
+    P_i = sum_j dL_ij k_j e_ij, e_ij = e^(G_i - G_j), i >= j."""
+    p_hk = i_hv * K
+    blk = (o_t // BS) * BS
+    m_rows = o_t < n_rows
+    p_row = (t0 + o_t).to(tl.int64) * HV + i_hv
+    p_tt = p_row[:, None] * BT + o_t[None, :]
+    b_b = tl.load(beta + p_row, mask=m_rows, other=0.).to(tl.float32)
+    m_any = (o_t * 0 < n_rows)[:, None] & m_k[None, :]
+    r_blk = (t0 + tl.maximum(tl.minimum(blk, n_rows - 1), 0)).to(tl.int64)
+    b_er = tl.exp(b_G - tl.load(gc + r_blk[:, None] * (HV * K) + p_hk + o_k[None, :],
+                                mask=m_any, other=0.))
+    b_p = tl.zeros_like(b_k)
+    b_qd = tl.zeros_like(b_k)
+    b_dk = tl.zeros_like(b_k)
+    for I in range(1, BT // BS):
+        r_I = (t0 + tl.maximum(tl.minimum(I * BS, n_rows - 1), 0)).to(tl.int64)
+        b_AI = tl.load(gc + r_I * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows),
+                       other=0.)
+        m_c = o_t[:, None] < I * BS
+        b_ec = tl.where(m_c, tl.exp(tl.where(m_c, b_AI[None, :] - b_G, 0.)), 0.)
+        m_r = (blk == I * BS)[:, None]
+        b_kc = b_k * b_ec
+        b_m = tl.load(dl + p_tt, mask=m_rows[:, None], other=0.)
+        b_p += tl.where(m_r, dot(b_m, b_kc, DOT), 0.)
+        b_dkc = dot(tl.trans(b_m), tl.where(m_r, b_k * b_er * b_b[:, None], 0.), DOT)
+        b_m = tl.load(daqk + p_tt, mask=m_rows[:, None], other=0.)
+        b_qd += tl.where(m_r, dot(b_m, b_kc, DOT), 0.)
+        b_dkc += dot(tl.trans(b_m), tl.where(m_r, b_q * b_er, 0.), DOT)
+        b_dk += b_dkc * b_ec
+    b_p = b_p * b_er
+    b_qd = b_qd * b_er
+    for s in range(0, BS):
+        jr = blk + s
+        m_j = jr < n_rows
+        r_j = (t0 + jr).to(tl.int64)
+        b_ks = tile(k, t0 + jr, m_j, i_h, o_k, m_k, H, K)
+        b_qs = tile(q, t0 + jr, m_j, i_h, o_k, m_k, H, K)
+        # Rows past the sequence repeat the last row's G (as g_tile): no
+        # exponent above 0.
+        r_jc = (t0 + tl.maximum(tl.minimum(jr, n_rows - 1), 0)).to(tl.int64)
+        b_Gs = tl.load(gc + r_jc[:, None] * (HV * K) + p_hk + o_k[None, :], mask=m_any,
+                       other=0.)
+        b_bs = tl.load(beta + r_j * HV + i_hv, mask=m_j, other=0.).to(tl.float32)
+        m_lo = (o_t - blk >= s)[:, None]   # rows i >= n_J + s: pairs (i, n_J + s)
+        m_hi = (o_t - blk <= s)[:, None]   # rows j <= n_J + s: pairs (n_J + s, j)
+        b_e = tl.exp(tl.where(m_lo, b_G - b_Gs, b_Gs - b_G))
+        # dL and dAqk at (i, n_J + s) and at (n_J + s, j), loaded.
+        m_v = m_rows & m_j
+        b_lc = tl.load(dl + p_row * BT + jr, mask=m_v, other=0.)
+        b_qc = tl.load(daqk + p_row * BT + jr, mask=m_v, other=0.)
+        b_lr = tl.load(dl + (r_j * HV + i_hv) * BT + o_t, mask=m_v, other=0.)
+        b_qr = tl.load(daqk + (r_j * HV + i_hv) * BT + o_t, mask=m_v, other=0.)
+        b_kse = tl.where(m_lo, b_ks * b_e, 0.)
+        b_p += b_lc[:, None] * b_kse
+        b_qd += b_qc[:, None] * b_kse
+        b_dk += tl.where(m_hi, ((b_lr * b_bs)[:, None] * b_ks + b_qr[:, None] * b_qs) * b_e,
+                         0.)
+    return b_qd, b_dk, b_p
+
+
+@triton.jit
 def _dot_16(a, b, DOT: tl.constexpr):
     """a @ b, float32 accumulate: a native 16-bit product when a and b are
     16-bit of one type (their products are exact in float32), else in float32
@@ -446,7 +524,7 @@ def kda_bwd_intra_kernel(
     m_tt = m_t[:, None]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     r_anchor, r_last = anchor_rows(t0, n_rows, BT)
-    fast = anchored_ok(gc, r_anchor, r_last, i_hv * K, n_rows, HV, K, BK)
+    path = product_path(gc, r_anchor, r_last, i_hv * K, n_rows, HV, K, BK)
 
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -455,10 +533,10 @@ def kda_bwd_intra_kernel(
     b_G, b_A, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
-    b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
-    b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
-    b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
-    if fast:
+    if path == 0:
+        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
+        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
+        b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
         b_er = tl.exp(b_G - b_A[None, :])
         b_ec = tl.exp(b_A[None, :] - b_G)
         b_kr = b_k * b_er
@@ -479,7 +557,20 @@ def kda_bwd_intra_kernel(
         b_dkc += dot(tl.trans(b_daqs), b_qr, DOT_A)
         b_dk += b_dkc * b_ec
         b_dG -= b_dkc * b_kc
+    elif path == 1:
+        # The partials are loaded after the products (fewer tiles live).
+        e_dq, e_dk, e_p = _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0,
+                                                n_rows, o_t, i_h, i_hv, o_k, m_k, H, HV, K, BT,
+                                                DOT_A)
+        b_db = tl.sum(e_p * b_k, axis=1)
+        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.) + e_dk + e_p * b_b[:, None]
+        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.) + e_dq
+        b_dG = (tl.load(dg_w + p_tk, mask=m_tk, other=0.) + e_p * b_b[:, None] * b_k
+                + e_dq * b_q - e_dk * b_k)
     else:
+        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
+        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
+        b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
         b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
         b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
         b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)

@@ -23,17 +23,18 @@ arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 
 The prepare kernel works on whole-chunk tiles [BT, BK]. Every exponent of a
 decay factor is bounded: the intra-chunk products anchor on the middle row of
-the chunk (factors within e^(+-ANCHOR_SPAN): kernels/common.py, anchored_ok)
-and fall back to exact pairwise exponents, column by column, for a chunk
-whose gates are steeper; there the exponents are partial sums of the
-log-decays (floored at GATE_FLOOR, kernels/gate.py), so their error is
-relative to themselves, not to |G|.
+the chunk (factors within e^(+-ANCHOR_SPAN)); a chunk whose gates are
+steeper anchors per BS-row block (factors <= 1) while its depth keeps the
+rounding of differences of G small, and falls back to exact pairwise
+exponents, column by column, beyond (kernels/common.py, product_path); there
+the exponents are partial sums of the log-decays (floored at GATE_FLOOR,
+kernels/gate.py), so their error is relative to themselves, not to |G|.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (anchor_rows, anchored_ok, chunk_rows, dot, g_rows, g_tile, row_of,
+from .common import (BS, anchor_rows, chunk_rows, dot, g_rows, g_tile, product_path, row_of,
                      store_zero_rows, suffix_exponent, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state
@@ -107,10 +108,50 @@ def _anchored_product(b_a, b_k, b_G, b_A, DOT: tl.constexpr):
     by the caller), for one K slice, as one matrix product through the anchor
     A (b_A: the middle row's G): the row factor e^(G_i - A) and the column
     factor e^(A - G_j) each stay within e^(+-ANCHOR_SPAN) when the chunk's
-    gates allow it (common.anchored_ok); otherwise
+    gates allow it (common.product_path); otherwise _blocked_product or
     _pairwise_product."""
     b_kc = b_k * tl.exp(b_A[None, :] - b_G)
     return dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
+
+
+@triton.jit
+def _blocked_product(b_out, b_a, b_k, b_G, k, gc, t0, n_rows, o_t, i_h, i_hv, o_k, m_k, b_sk,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                     DOT: tl.constexpr):
+    """b_out [BT, BT] plus a_i . k_j e^(G_i - G_j) on and below the diagonal
+    (garbage-free elsewhere: zeros), for one K slice, anchored per BS-row
+    block: for row block I (rows n_I ..) against the columns j < n_I, the
+    anchor is G at row n_I, so the row factor e^(G_i - G_{n_I}) and the column
+    factor e^(G_{n_I} - G_j) are both <= 1 (G is non-increasing), one masked
+    product per block; the diagonal blocks take BS steps, step s the column
+    n_I + s of every block at once, whose k and G rows are loaded (a row of a
+    register tile is a reduction across the program). The exponents are
+    differences of G, with error about |G| * 6e-8: common.product_path admits
+    only chunks shallow enough for that. b_k is k * b_sk (the L2 row scales);
+    the rows loaded here are k itself, non-finite entries 0 as in pass 2."""
+    p_hk = i_hv * K
+    blk = (o_t // BS) * BS
+    m_any = (o_t * 0 < n_rows)[:, None] & m_k[None, :]
+    r_blk = (t0 + tl.maximum(tl.minimum(blk, n_rows - 1), 0)).to(tl.int64)
+    b_Ab = tl.load(gc + r_blk[:, None] * (HV * K) + p_hk + o_k[None, :], mask=m_any, other=0.)
+    b_ar = b_a * tl.exp(b_G - b_Ab)
+    for I in range(1, BT // BS):
+        r_I = (t0 + tl.maximum(tl.minimum(I * BS, n_rows - 1), 0)).to(tl.int64)
+        b_AI = tl.load(gc + r_I * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
+        m_c = o_t[:, None] < I * BS
+        b_kc = tl.where(m_c, b_k * tl.exp(tl.where(m_c, b_AI[None, :] - b_G, 0.)), 0.)
+        b_out += dot(tl.where((blk == I * BS)[:, None], b_ar, 0.), tl.trans(b_kc), DOT)
+    for s in range(0, BS):
+        jr = blk + s
+        m_j = jr < n_rows
+        b_kj, _ = _tile_checked(k, t0 + jr, m_j, i_h, o_k, m_k, H, K)
+        b_Gj = tl.load(gc + (t0 + jr).to(tl.int64)[:, None] * (HV * K) + p_hk + o_k[None, :],
+                       mask=m_j[:, None] & m_k[None, :], other=0.)
+        m_i = (o_t - blk >= s)[:, None]
+        b_e = tl.exp(tl.where(m_i, b_G - b_Gj, 0.))
+        b_col = tl.sum(tl.where(m_i, b_a * b_kj * b_e, 0.), axis=1)
+        b_out += tl.where(o_t[None, :] == jr[:, None], b_col[:, None] * b_sk[None, :], 0.)
+    return b_out
 
 
 # Diagonal block of the blocked inverse: a sweep of BB - 1 steps inverts all of
@@ -216,9 +257,9 @@ def kda_fwd_prepare_kernel(
         b_alog = tl.load(A_log + i_hv).to(tl.float32)
 
     # Pass 0: G, the chunk-local cumsum of the log-decay, into the scratch
-    # gc; then, from its anchor and last rows, exp(G_last) and one test for
-    # the whole chunk of whether the anchored products are safe (a reduction
-    # across the program is a barrier: one per chunk, not one per slice).
+    # gc; then, from its anchor and last rows, exp(G_last) and one decision
+    # for the whole chunk of which path its products take (a reduction
+    # across the program is a barrier: once per chunk, not once per slice).
     p_hk = i_hv * K
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
@@ -236,13 +277,13 @@ def kda_fwd_prepare_kernel(
         m_k = o_k < K
         b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
         tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
-    fast = anchored_ok(gc, r_anchor, r_last, p_hk, n_rows, HV, K, BK)
+    path = product_path(gc, r_anchor, r_last, p_hk, n_rows, HV, K, BK)
 
     # Pass 1 over K slices: Aqk, q*exp(G)*scale and k*exp(G_last - G).
     # Aqk and Akk get a pass each, so only one [BT, BT] accumulator is live
-    # at a time (registers, not loads, bound this kernel). Without the fast
+    # at a time (registers, not loads, bound this kernel). On the pairwise
     # path, exponents that are differences of G come from partial sums of
-    # the log-decays instead (reloaded: the slow path only).
+    # the log-decays instead (reloaded: that path only).
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
@@ -256,8 +297,12 @@ def kda_fwd_prepare_kernel(
         # masked above the diagonal by a select, and kt's row j (the state
         # after the chunk, poisoned below); pass 2 checks it.
         b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        if fast:
+        if path == 0:
             b_aqk += _anchored_product(b_q, b_k, b_G, b_A, DOT_A)
+            b_sfx = b_last[None, :] - b_G
+        elif path == 1:
+            b_aqk = _blocked_product(b_aqk, b_q, b_k, b_G, k, gc, t0, n_rows, o_t, i_h, i_hv,
+                                     o_k, m_k, b_sk, H, HV, K, BT, DOT_A)
             b_sfx = b_last[None, :] - b_G
         else:
             b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
@@ -285,8 +330,11 @@ def kda_fwd_prepare_kernel(
         b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
         b_poison = b_poison | b_bad
         b_k = b_k * b_sk[:, None]
-        if fast:
+        if path == 0:
             b_akk += _anchored_product(b_k, b_k, b_G, b_A, DOT_A)
+        elif path == 1:
+            b_akk = _blocked_product(b_akk, b_k, b_k, b_G, k, gc, t0, n_rows, o_t, i_h, i_hv,
+                                     o_k, m_k, b_sk, H, HV, K, BT, DOT_A)
         else:
             b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,

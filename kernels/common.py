@@ -1,8 +1,8 @@
 """Pieces shared by the chunked kernels (chunk_fwd, chunk_bwd) and the decode
 kernel: the product-precision helper, tile loads, a chunk's rows, the
 chunk-local decay G read back from its scratch, and the test that decides
-whether a chunk's intra-chunk products may take the anchored path
-(docs/kda.md section 3). The log-decay numerics (in-kernel gate, floor,
+which path a chunk's intra-chunk products take: anchored, blocked or
+pairwise (docs/kda.md sections 3 and 6). The log-decay numerics (in-kernel gate, floor,
 non-finite checks) are kernels/gate.py.
 
 Names follow the kernels': b_ register tiles, o_ offsets, m_ masks, p_
@@ -18,6 +18,16 @@ from .varlen import chunk_span
 # decay factor relative to the chunk's anchor row stays within e^(+-60):
 # products of such factors with O(1) keys stay far inside float32.
 ANCHOR_SPAN = tl.constexpr(60.0)
+
+# A chunk past ANCHOR_SPAN takes the blocked path (products anchored per
+# BS-row block, chunk_fwd._blocked_product) while its depth max(-G_last) is
+# within BLOCKED_DEPTH: each G carries a rounding error of about |G| * 6e-8,
+# so a product's factor e^(G_i - G_j) is off by up to about depth * 1.2e-7
+# relative (2.5e-4 here, half of fp16's unit roundoff), and the outputs'
+# relative RMS error comes to about depth * 1e-8 (2e-5, against float32's
+# 1e-4 tolerance). Deeper chunks take the exact pairwise path.
+BS = tl.constexpr(16)
+BLOCKED_DEPTH = tl.constexpr(2048.0)
 
 
 @triton.jit
@@ -101,20 +111,25 @@ def g_tile(gc, p_tk, m_t, m_k, b_last):
 
 
 @triton.jit
-def anchored_ok(gc, r_anchor, r_last, p_hk, n_rows, HV: tl.constexpr, K: tl.constexpr,
-                BK: tl.constexpr):
-    """Whether the chunk's intra-chunk products may take the anchored path:
-    for every channel, the row factor e^(G_i - A) and the column factor
+def product_path(gc, r_anchor, r_last, p_hk, n_rows, HV: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr):
+    """Which path the chunk's intra-chunk products take: 0 anchored, when
+    for every channel the row factor e^(G_i - A) and the column factor
     e^(A - G_j) stay within e^(+-ANCHOR_SPAN), i.e. max(-A, A - G_last) <=
-    ANCHOR_SPAN (G is a cumsum of log-decays <= 0: G_0 >= G_i >= G_last).
-    One test for the whole chunk, so one reduction across the program; the
-    K slices are unrolled so that the row loads go out together."""
+    ANCHOR_SPAN (G is a cumsum of log-decays <= 0: G_0 >= G_i >= G_last);
+    1 blocked, when the chunk's depth max(-G_last) is within BLOCKED_DEPTH;
+    2 exact pairwise. One decision for the whole chunk (two reductions
+    across the program, once per chunk); the K slices are unrolled so that
+    the row loads go out together."""
     b_span = tl.zeros([BK], dtype=tl.float32)
+    b_depth = tl.zeros([BK], dtype=tl.float32)
     for ks in tl.static_range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, o_k < K, n_rows, HV, K)
         b_span = tl.maximum(b_span, tl.maximum(-b_A, b_A - b_last))
-    return tl.max(b_span, axis=0) <= ANCHOR_SPAN
+        b_depth = tl.maximum(b_depth, -b_last)
+    path = tl.where(tl.max(b_depth, axis=0) <= BLOCKED_DEPTH, 1, 2)
+    return tl.where(tl.max(b_span, axis=0) <= ANCHOR_SPAN, 0, path)
 
 
 @triton.jit

@@ -193,8 +193,9 @@ def test_reverse_state_pass_in_one_tile_matches_reference(name, check_rel_rms):
 @pytest.mark.parametrize("gate_floor", [None, -1000.0])
 def test_intra_k_blocks_match_reference(gate_floor, check_rel_rms):
     """The intra kernel over K blocks of 32 (K = 48 is a full and a masked
-    block) on anchored and exact (-1000 gate) chunks: the gradients held to
-    the float32 bar (with fp32-grade products on a GPU)."""
+    block) on anchored and blocked-anchor (-1000 gates every 7th token)
+    chunks: the gradients held to the float32 bar (with fp32-grade products
+    on a GPU)."""
     x = make_inputs(21, T=75, H=1, HV=2, K=48, V=16, N=3, gate_floor=gate_floor)
     call_kw = dict(cu_seqlens=np.array([0, 7, 7, 75]))
     w_o, w_f = _weights(x, call_kw, seed=5)
@@ -209,8 +210,9 @@ def test_intra_k_blocks_match_reference(gate_floor, check_rel_rms):
 
 @pytest.mark.parametrize("chunk", [32, 64])
 def test_grad_with_gate_floor_minus_1000(chunk, check_rel_rms):
-    """exp(-1000) gates (the exact fallback of the products' backward) with
-    varlen: finite gradients within testing.TOLERANCES["float32-extreme-gates"]."""
+    """exp(-1000) gates every 7th token (chunks past the anchored span: the
+    products' blocked-anchor path) with varlen: finite gradients within
+    testing.TOLERANCES["float32-extreme-gates"]."""
     tol = TOLERANCES["float32-extreme-gates"]["rel_rms"]
     cu = np.array([0, 7, 7, 75])  # sequences 0 and 2 start on a -1000 gate
     x = make_inputs(3, T=75, H=1, K=16, V=16, N=3, gate_floor=-1000.0)
