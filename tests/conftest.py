@@ -16,6 +16,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
+# The CPU suite is bound by XLA's compiles (each test's shapes and flags are
+# new programs that run once or twice on tiny arrays): LLVM's optimization of
+# the CPU code is skipped (the HLO passes, and so every program's semantics,
+# are unchanged). The child processes the tests start inherit it; a test bound
+# by run time (tests/test_example_train.py) runs in a child without it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 import jax
 import numpy as np
