@@ -20,8 +20,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # new programs that run once or twice on tiny arrays): LLVM's optimization of
 # the CPU code is skipped (the HLO passes, and so every program's semantics,
 # are unchanged). The child processes the tests start inherit it; a test bound
-# by run time (tests/test_example_train.py) runs in a child without it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+# by run time (tests/test_example_train.py) runs in a child without it. Only
+# where no GPU is present (the flag also sets the GPU backend's LLVM level);
+# the check reads device nodes, since asking jax would start its backends
+# before the flags are set.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")
+if ("xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
+        and not any(os.path.exists(p) for p in _GPU_NODES)):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
