@@ -16,6 +16,20 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
+# The CPU suite is bound by XLA's compiles (each test's shapes and flags are
+# new programs that run once or twice on tiny arrays): LLVM's optimization of
+# the CPU code is skipped (the HLO passes, and so every program's semantics,
+# are unchanged). The child processes the tests start inherit it; a test bound
+# by run time (tests/test_example_train.py) runs in a child without it. Only
+# where no GPU is present (the flag also sets the GPU backend's LLVM level);
+# the check reads device nodes, since asking jax would start its backends
+# before the flags are set.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")
+if ("xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
+        and not any(os.path.exists(p) for p in _GPU_NODES)):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 import jax
 import numpy as np

@@ -21,6 +21,11 @@ TOL = 1e-4
 ALL = ("q", "k", "v", "g", "beta", "initial_state")
 
 # id -> (make_inputs kwargs, call kwargs, chunk size, names to differentiate)
+# The XLA path and the reference apply the in-kernel transforms with the same
+# kda_jax.transforms code, so a gate case here holds the chunked recurrence's
+# gradient under a transformed gate (with and without lower_bound); the gate
+# form without A_log and dt_bias is held by tests/test_triton_grad.py's
+# gate-lb-bare (the kernels' own backward) and tests/test_gate_extremes.py.
 CASES = {
     "plain-B2-T80-K20-V28-c32": (dict(B=2, T=80, H=2, K=20, V=28), {}, 32, ALL),
     "gate-softplus-Alog-dtbias": (
@@ -32,10 +37,6 @@ CASES = {
         dict(B=2, T=33, H=1, K=16, V=24, raw_gate=True),
         dict(use_gate_in_kernel=True, A_log=True, dt_bias=True, lower_bound=-2.0), 64,
         ("g", "A_log", "dt_bias", "k"),
-    ),
-    "gate-lb-bare": (
-        dict(B=1, T=50, H=1, K=16, V=16, raw_gate=True),
-        dict(use_gate_in_kernel=True, lower_bound=-1.0), 32, ("g", "q", "initial_state"),
     ),
     "l2norm-beta-sigmoid-negeig": (
         dict(B=1, T=50, H=2, K=32, V=16, normalized_k=False, beta_logits=True),

@@ -97,20 +97,27 @@ def test_minus_inf_gate_is_not_poison():
     assert np.isfinite(o).all() and np.isfinite(s).all()
 
 
-def _grads(x, impl, keep_rows, final_w=None):
+_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _weighted_loss(p, w, impl):
+    o, _ = kda_jax.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"],
+                             initial_state=p["initial_state"], implementation=impl,
+                             chunk_size=C)
+    return jnp.sum(jnp.where(w != 0, o, 0.0) * w)
+
+
+# One function for every case: the inputs and weights are arguments of one
+# shape, so each implementation compiles once for the module.
+_grad_of_loss = jax.jit(jax.grad(_weighted_loss), static_argnums=2)
+
+
+def _grads(x, impl, keep_rows):
     """Gradients of sum(o * w) with w zero on rows >= keep_rows of sequence 0."""
     rng = np.random.default_rng(2)
     w = rng.standard_normal((2, T, 2, 16)).astype(np.float32)
     w[0, keep_rows:] = 0.0
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-
-    def loss(p):
-        o, _ = kda_jax.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"],
-                                 initial_state=p["initial_state"], implementation=impl,
-                                 chunk_size=C)
-        return jnp.sum(jnp.where(w != 0, o, 0.0) * w)
-
-    g = jax.jit(jax.grad(loss))({n: jnp.asarray(getattr(x, n)) for n in names})
+    g = _grad_of_loss({n: jnp.asarray(getattr(x, n)) for n in _NAMES}, jnp.asarray(w), impl)
     return {n: np.asarray(v) for n, v in g.items()}
 
 
