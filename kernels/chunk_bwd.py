@@ -280,8 +280,13 @@ def kda_bwd_inter_kernel(
     b_kt = b_k * b_et
     b_dq = b_dqg * b_eg * SCALE
     b_dk = b_dkt * b_et
-    b_dG = b_dqg * b_q * b_eg * SCALE - b_dkt * b_kt
-    b_dlast = tl.sum(b_dkt * b_kt, axis=0) + b_dgl * tl.exp(b_last)
+    # kt's exponent G_last - G_i is identically 0 on the last row: that row's
+    # term goes to neither dG_last nor -dG_i. Adding it to both would leave
+    # float32 residue of its O(1) size where the true dG is below 1e-16
+    # (fully decayed channels), which the reverse cumsum spreads over the chunk.
+    b_dkte = tl.where(o_t[:, None] == n_rows - 1, 0., b_dkt * b_kt)
+    b_dG = b_dqg * b_q * b_eg * SCALE - b_dkte
+    b_dlast = tl.sum(b_dkte, axis=0) + b_dgl * tl.exp(b_last)
     b_dG += tl.where(o_t[:, None] == n_rows - 1, b_dlast[None, :], 0.)
 
     m_tk = m_t[:, None] & m_k[None, :]
@@ -296,8 +301,10 @@ def kda_bwd_inter_kernel(
 def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
                         BT: tl.constexpr, BK: tl.constexpr):
     """Backward of the intra-chunk products, one column j at a time with
-    pairwise decays e^(G_i - G_j) (i >= j, exponents <= 0, summed from the
-    log-decays b_g of rows j + 1 .. i): exact for any gate.
+    pairwise decays e^(G_i - G_j) (i > j, exponents < 0, summed from the
+    log-decays b_g of rows j + 1 .. i): exact for any gate. The diagonal
+    (e^0, dAqk's only: dL is strictly lower) is the caller's: it adds
+    nothing to dG.
 
     Returns (dq, dk, dG, P) for this K slice, P_i = sum_j dL_ij k_j e^(G_i - G_j)
     (dk gets beta * P and dbeta gets sum_K(k P) from the caller)."""
@@ -307,8 +314,8 @@ def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
     b_p = tl.zeros([BT, BK], dtype=tl.float32)
     for j in range(0, n_rows):
         b_kj = row_of(b_k, o_t, j)
-        m_i = o_t[:, None] >= j
-        b_d = tl.cumsum(tl.where(o_t[:, None] > j, b_g, 0.), axis=0)
+        m_i = o_t[:, None] > j
+        b_d = tl.cumsum(tl.where(m_i, b_g, 0.), axis=0)
         b_e = tl.where(m_i, tl.exp(tl.where(m_i, b_d, 0.)), 0.)
         b_ke = b_e * b_kj[None, :]
         a_l = col_of(b_dl, o_t, j)
@@ -338,11 +345,12 @@ def _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0, n_rows, o
     block with the block's other rows through one exponent tile (G_i - G_j
     for the rows below it, G_j - G_i above: <= 0 both) and rows of k, q, G,
     beta, dL and dAqk loaded at n_J + s. Exponents are differences of G:
-    common.product_path admits only chunks shallow enough.
+    common.product_path admits only chunks shallow enough. The diagonal
+    (e^0, dAqk's only: dL is strictly lower) is the caller's.
 
     Returns (Qd, Dk, P) for this K slice: Qd_i = sum_j dAqk_ij k_j e_ij,
     Dk_j = sum_i (beta_i dL_ij k_i + dAqk_ij q_i) e_ij and
-    P_i = sum_j dL_ij k_j e_ij, e_ij = e^(G_i - G_j), i >= j."""
+    P_i = sum_j dL_ij k_j e_ij, e_ij = e^(G_i - G_j), i > j."""
     p_hk = i_hv * K
     blk = (o_t // BS) * BS
     m_rows = o_t < n_rows
@@ -385,8 +393,8 @@ def _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0, n_rows, o
         b_Gs = tl.load(gc + r_jc[:, None] * (HV * K) + p_hk + o_k[None, :], mask=m_any,
                        other=0.)
         b_bs = tl.load(beta + r_j * HV + i_hv, mask=m_j, other=0.).to(tl.float32)
-        m_lo = (o_t - blk >= s)[:, None]   # rows i >= n_J + s: pairs (i, n_J + s)
-        m_hi = (o_t - blk <= s)[:, None]   # rows j <= n_J + s: pairs (n_J + s, j)
+        m_lo = (o_t - blk > s)[:, None]   # rows i > n_J + s: pairs (i, n_J + s)
+        m_hi = (o_t - blk < s)[:, None]   # rows j < n_J + s: pairs (n_J + s, j)
         b_e = tl.exp(tl.where(m_lo, b_G - b_Gs, b_Gs - b_G))
         # dL and dAqk at (i, n_J + s) and at (n_J + s, j), loaded.
         m_v = m_rows & m_j
@@ -513,6 +521,12 @@ def kda_bwd_intra_kernel(
     sum over K of k_i * sum_j dL_ij k_j e^(G_i - G_j): dbeta_k [T, HV, NK],
     one column per program along K.
 
+    dAqk's diagonal (factor e^(G_i - G_i) = 1) goes to dq and dk only, on
+    every path: its exponent does not depend on G, and adding its O(1) term
+    to dG_i from the row side and subtracting it from the column side would
+    leave float32 residue where the true dG is below 1e-16 (fully decayed
+    channels).
+
     On the anchored path dL and dAqk are loaded each just before the two
     products that take it, so that one [BT, BT] tile is live at a time: a
     split-precision product (bf16x3) holds each operand twice."""
@@ -533,6 +547,7 @@ def kda_bwd_intra_kernel(
     b_G, b_A, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
+    b_dd = tl.load(daqk + (r64 * HV + i_hv) * BT + o_t, mask=m_t, other=0.)
     if path == 0:
         b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
         b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
@@ -550,7 +565,7 @@ def kda_bwd_intra_kernel(
         b_dk += b_p * b_er
         b_dG += b_p * b_kr
         b_dkc = dot(tl.trans(b_dl * b_b[:, None]), b_kr, DOT_A)
-        b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
+        b_daqs = tl.load(daqk + p_tt, mask=m_tt & (o_t[:, None] != o_t[None, :]), other=0.)
         b_dqr = dot(b_daqs, b_kc, DOT_A)
         b_dq += b_dqr * b_er
         b_dG += b_dqr * b_qr
@@ -580,6 +595,8 @@ def kda_bwd_intra_kernel(
         b_dk += e_dk + e_p * b_b[:, None]
         b_dq += e_dq
         b_dG += e_dG
+    b_dq += b_dd[:, None] * b_k
+    b_dk += b_dd[:, None] * b_q
     b_dg = tl.cumsum(tl.where(m_tk, b_dG, 0.), axis=0, reverse=True)
     tl.store(dq + p_tk, b_dq, mask=m_tk)
     tl.store(dk + p_tk, b_dk, mask=m_tk)
