@@ -524,10 +524,10 @@ BACKWARD = {
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
         gate_fp32_max_k=256),
-    # Wave32: twice gfx950's warps for the recompute and the wy kernel (whose
-    # bf16x3 products hold 244 VGPRs at every tile and warp count compiled:
-    # 4 waves per SIMD, 6 under ieee; docs/tuning.md); 16-wide intra K blocks
-    # as gfx950's (32-wide ones hold 619 VGPRs at chunk 64).
+    # Wave32: twice gfx950's warps for the recompute; the wy kernel at 16
+    # warps and 32 x 64 blocks, where its halved X^T products fit 150 VGPRs
+    # (6 waves per SIMD, as under ieee; docs/tuning.md); 16-wide intra K
+    # blocks as gfx950's (32-wide ones hold 619 VGPRs at chunk 64).
     "gfx1250": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
@@ -535,7 +535,7 @@ BACKWARD = {
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
-        wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
+        wy_block_k=32, wy_block_v=64, wy_warps=16, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
         gate_fp32_max_k=256),
     # Any other GPU: fp32 products, moderate tiles.

@@ -422,11 +422,49 @@ def _dot_16(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
+def _dot_bf16_b(a, b, DOT: tl.constexpr):
+    """a @ b, float32 accumulate, for float32 a and 16-bit b. Under "bf16x3"
+    with bfloat16 b (exact in bf16, its low half zero) the product is a's
+    two-term split times b: the same sum bf16x3 forms, less its zero term and
+    without b's float32 copy and split held in registers; otherwise as
+    common.dot with b in float32."""
+    if DOT == 4 and b.dtype == tl.bfloat16:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a_hi, b, tl.dot(a_lo, b))
+    else:
+        return dot(a, b.to(tl.float32), DOT)
+
+
+@triton.jit
 def _x_transposed(x, p_tt, m_t):
     """X^T of the chunk (the recompute stores it transposed). Loaded at each
     use rather than held: a [BT, BT] fp32 tile live across the loops, split
     for fp32-grade products, spills on sm90 (X^T stays in L1/L2)."""
     return tl.load(x + p_tt, mask=m_t[:, None], other=0.)
+
+
+@triton.jit
+def _xt_dot(x, b, t0, n_rows, r64, m_t, i_hv, o_c, m_c, HV: tl.constexpr, N: tl.constexpr,
+            BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+    """X^T B for B the chunk's rows of b [T, HV, N] at columns o_c (BC of
+    them, mask m_c): [BT, BC] fp32. Under "bf16x3" the token (contraction)
+    dimension runs in two halves, an X^T column half times a B row half,
+    each loaded where it is multiplied: a split product holds its operands
+    twice, and halves of them fit gfx1250's waves at occupancy 6
+    (docs/tuning.md, "AMD product precisions"); other precisions take one
+    product (halves spill sm90's float32 form)."""
+    HALF: tl.constexpr = BT // 2 if DOT == 4 else BT
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for h in tl.static_range(0, BT, HALF):
+        o_h = h + tl.arange(0, HALF)
+        r_h = (t0 + o_h).to(tl.int64)
+        b_bh = tl.load(b + (r_h * HV + i_hv)[:, None] * N + o_c[None, :],
+                       mask=(o_h < n_rows)[:, None] & m_c[None, :], other=0.)
+        b_xh = tl.load(x + (r64 * HV + i_hv)[:, None] * BT + o_h[None, :],
+                       mask=m_t[:, None], other=0.)
+        acc += _dot_bf16_b(b_xh, b_bh, DOT)
+    return acc
 
 
 @triton.jit
@@ -477,7 +515,7 @@ def kda_bwd_wy_kernel(
         b_u = tl.load(u + p_v, mask=m_tv, other=0.)
         b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.)
         b_m += _dot_16(b_dvn, tl.trans(b_u), DOT_X)
-        b_dvb = dot(_x_transposed(x, p_tt, m_t), b_dvn.to(tl.float32), DOT_X)
+        b_dvb = _xt_dot(x, dvn, t0, n_rows, r64, m_t, i_hv, o_v, o_v < V, HV, V, BT, BV, DOT_X)
         tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_db += tl.sum(b_dvb * b_v, axis=1)
@@ -488,10 +526,10 @@ def kda_bwd_wy_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-        b_w = tl.load(w + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.)
         b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.)
-        b_m += dot(b_dw, tl.trans(b_w), DOT_X)
-        b_dB = dot(_x_transposed(x, p_tt, m_t), b_dw, DOT_X)
+        b_m += _dot_bf16_b(b_dw, tl.trans(b_w), DOT_X)
+        b_dB = _xt_dot(x, dw, t0, n_rows, r64, m_t, i_hv, o_k, m_k, HV, K, BT, BK, DOT_X)
         b_G, _, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
         b_eg = tl.exp(b_G)
         b_keg = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_eg
