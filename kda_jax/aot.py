@@ -374,7 +374,9 @@ def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
             f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
             "set when the kernels were imported; compile through kda_jax.aot.run, whose "
             "worker processes drop it")
-    signature, attrs = _signature(fn, name, spec.dtype, work, launch.constexprs)
+    # The backward casts its inputs to float32 with float32 intermediates.
+    in_dtype = "fp32" if kernel in BWD_KERNELS and work == "fp32" else spec.dtype
+    signature, attrs = _signature(fn, name, in_dtype, work, launch.constexprs)
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
                    enable_fp_fusion=True, debug=False)  # as jax-triton compiles
     return fn, signature, attrs, options

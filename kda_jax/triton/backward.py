@@ -156,6 +156,10 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     n = bounds.num_seqs
     f32 = jnp.float32
     work = backward_work_dtype(q.dtype, opts, config, q.shape[-1], interpret=interpret_mode())
+    if work == jnp.dtype(f32):
+        # Float32 intermediates take float32 inputs, as a float32 caller's do: the
+        # kernels built are those the AOT report checks for spills.
+        q, k, v, g, beta, do = (x.astype(f32) for x in (q, k, v, g, beta, do))
     meta = packed_metadata(bounds, bt)
     n_chunks = chunk_table(bounds, bt).shape[0]
     state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
