@@ -513,7 +513,9 @@ BACKWARD = {
         gate_fp32_max_k=256),
     # 64 KiB of LDS fits the state passes at one stage and 4 waves; the intra
     # kernel takes 16-wide K blocks (32 spill a VGPR), the wy kernel 16 x 16
-    # blocks (32 x 32 halve its occupancy under bf16x3).
+    # blocks (32 x 32 halve its occupancy under bf16x3); the in-kernel gate's
+    # float32 intermediates up to K = 128 (at 256 its float32 state passes
+    # drop to one wave).
     "gfx942": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
@@ -523,7 +525,7 @@ BACKWARD = {
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
-        gate_fp32_max_k=256),
+        gate_fp32_max_k=128),
     # Wave32: twice gfx950's warps for the recompute; the wy kernel at 16
     # warps and 32 x 64 blocks, where its halved X^T products fit 150 VGPRs
     # (6 waves per SIMD, as under ieee; docs/tuning.md); 16-wide intra K
