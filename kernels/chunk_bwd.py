@@ -412,28 +412,20 @@ def _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0, n_rows, o
 
 @triton.jit
 def _dot_16(a, b, DOT: tl.constexpr):
-    """a @ b, float32 accumulate: a native 16-bit product when a and b are
-    16-bit of one type (their products are exact in float32), else in float32
-    at precision DOT (as common.dot)."""
+    """a @ b, float32 accumulate, for operands that may be 16-bit: a native
+    16-bit product when a and b are 16-bit of one type (their products are
+    exact in float32); under "bf16x3" with float32 a and bfloat16 b (exact in
+    bf16, its low half zero), a's two-term split times b: the sum bf16x3
+    forms, less its zero term and without b's float32 copy and split held in
+    registers; else in float32 at precision DOT (as common.dot)."""
     if a.dtype == b.dtype and a.dtype.primitive_bitwidth == 16:
         return tl.dot(a, b)
-    else:
-        return dot(a.to(tl.float32), b.to(tl.float32), DOT)
-
-
-@triton.jit
-def _dot_bf16_b(a, b, DOT: tl.constexpr):
-    """a @ b, float32 accumulate, for float32 a and 16-bit b. Under "bf16x3"
-    with bfloat16 b (exact in bf16, its low half zero) the product is a's
-    two-term split times b: the same sum bf16x3 forms, less its zero term and
-    without b's float32 copy and split held in registers; otherwise as
-    common.dot with b in float32."""
-    if DOT == 4 and b.dtype == tl.bfloat16:
+    elif DOT == 4 and b.dtype == tl.bfloat16:
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
         return tl.dot(a_hi, b, tl.dot(a_lo, b))
     else:
-        return dot(a, b.to(tl.float32), DOT)
+        return dot(a.to(tl.float32), b.to(tl.float32), DOT)
 
 
 @triton.jit
@@ -463,7 +455,7 @@ def _xt_dot(x, b, t0, n_rows, r64, m_t, i_hv, o_c, m_c, HV: tl.constexpr, N: tl.
                        mask=(o_h < n_rows)[:, None] & m_c[None, :], other=0.)
         b_xh = tl.load(x + (r64 * HV + i_hv)[:, None] * BT + o_h[None, :],
                        mask=m_t[:, None], other=0.)
-        acc += _dot_bf16_b(b_xh, b_bh, DOT)
+        acc += _dot_16(b_xh, b_bh, DOT)
     return acc
 
 
@@ -528,7 +520,7 @@ def kda_bwd_wy_kernel(
         p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.)
         b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.)
-        b_m += _dot_bf16_b(b_dw, tl.trans(b_w), DOT_X)
+        b_m += _dot_16(b_dw, tl.trans(b_w), DOT_X)
         b_dB = _xt_dot(x, dw, t0, n_rows, r64, m_t, i_hv, o_k, m_k, HV, K, BT, BK, DOT_X)
         b_G, _, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
         b_eg = tl.exp(b_G)
