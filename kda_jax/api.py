@@ -504,9 +504,9 @@ def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, op
                              opts=opts, bounds=bounds)
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "config", "bwd_config"))
+@functools.partial(jax.jit, static_argnames=("opts", "config", "bwd_config", "segments"))
 def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
-                  bounds, config, bwd_config=None):
+                  bounds, config, bwd_config=None, segments=None):
     if pool is not None or isinstance(bounds, VarlenBatch):
         # The serving forms, forward only: with a pool the state kernel reads
         # and writes its rows in place (no gather/scatter); a bucketed batch's
@@ -519,7 +519,7 @@ def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *,
     # Differentiable (jax.custom_vjp, kda_jax.triton.backward).
     return kda_triton.chunk_kda_triton_grad(q, k, v, g, beta, initial_state, A_log, dt_bias,
                                             opts=opts, bounds=bounds, config=config,
-                                            bwd_config=bwd_config)
+                                            bwd_config=bwd_config, segments=segments)
 
 
 def _core(backend: str, config=None, bwd_config=None):
@@ -677,14 +677,13 @@ def chunk_kda(
         return context_parallel.chunk_kda_context(
             _core(backend, config, bwd_config), *args[:-1], opts=opts, bounds=bounds,
             rows=q.shape[0], axis=context_axis, devices=devices)
-    plan = segmented.plan_call(backend, bounds, pool, opts, q.shape[-1], v.shape[-2],
-                               v.shape[-1], TRITON_MAX_HEAD_DIM)
+    plan = segmented.plan_call(backend, bounds, pool, opts, v.shape[-2])
     if plan is not None:
         return _chunk_segmented(*args[:-1], opts=opts, plan=plan, backend=backend,
                                 config=config, bwd_config=bwd_config)
     if backend == "triton":
         return _chunk_triton(*args, opts=opts, bounds=bounds, config=config,
-                             bwd_config=bwd_config)
+                             bwd_config=bwd_config, segments=configs.segment_config())
     return _chunk_xla(*args, opts=opts, bounds=bounds)
 
 

@@ -610,6 +610,8 @@ class SegmentConfig:
       a call whose sequences all fit in one segment still runs unsegmented.
     xla: apply the same rule to the XLA path (its state pass is a scan over
       the longest segment's chunks instead of the longest sequence's).
+    map_block_v / map_warps: the map kernel's column block and warps
+      (kernels/segments.py; None: the state pass's V block and warps).
     """
 
     min_programs: int = 0
@@ -617,8 +619,14 @@ class SegmentConfig:
     min_segment_chunks: int = 8
     segment_chunks: int | None = None
     xla: bool = False
+    map_block_v: int | None = None
+    map_warps: int | None = None
 
     def __post_init__(self):
+        for name, allowed in (("map_block_v", (16, 32, 64, 128)), ("map_warps", (1, 2, 4, 8))):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value not in allowed):
+                raise ValueError(f"{name}={value!r} must be None or one of {allowed}")
         for name in ("min_programs", "target_programs", "min_segment_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -634,12 +642,15 @@ class SegmentConfig:
             raise ValueError(f"xla={self.xla!r} must be True or False")
 
 
-# Off everywhere: on the H200 the segmented pass (V + K columns, then the
-# correction) measured slower than one pass on two of the four low-head rows
-# and 8-15 % faster on the others (bench/results/h200-forward-segmented.json):
-# not yet a schedule to pick automatically. Force it with override_segments.
+# sm90: segment when the state pass has fewer than 128 programs (the H200 has
+# 132 SMs), into segments of at least 128 chunks aiming at 256 programs. On the
+# H200 (docs/tuning.md, "Segmented state chain") 128-chunk segments beat 32 and
+# 64 on every low-head row, and no row of 128 programs or more gains. The AMD
+# targets and other GPUs: off until measured there (force it with
+# override_segments; the kernels compile for every target, kda_jax.aot).
+_SEGMENT_RULE = dict(min_programs=128, target_programs=256, min_segment_chunks=128)
 SEGMENTS = {
-    "sm90": SegmentConfig(),
+    "sm90": SegmentConfig(**_SEGMENT_RULE),
     "gfx950": SegmentConfig(),
     "gfx942": SegmentConfig(),
     "gfx1250": SegmentConfig(),

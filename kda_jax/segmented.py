@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax import configs
-from kda_jax.bounds import SeqBounds, next_pow2
+from kda_jax.bounds import SeqBounds
 from kda_jax.options import KdaOptions
 from kda_jax.segments import SegmentPlan, segment_chunks, segment_plan
 
@@ -95,28 +95,20 @@ def compose(earlier, later):
             b1 | b2)
 
 
-def plan_call(backend: str, bounds, pool, opts: KdaOptions, kd: int, hv: int, vd: int,
-              max_head_dim: int) -> SegmentPlan | None:
-    """The segment plan of a chunk_kda call (the rule of
+def plan_call(backend: str, bounds, pool, opts: KdaOptions, hv: int) -> SegmentPlan | None:
+    """The segment plan of an XLA-path chunk_kda call (the rule of
     :func:`kda_jax.segments.segment_chunks` with the current
-    :class:`kda_jax.configs.SegmentConfig`), or None: the call runs as one
-    pass. Host bounds only (the serving forms, a pool or a VarlenBatch, stay
-    one pass); the Triton path only where V + K <= ``max_head_dim``, with the
-    state kernel's V blocks (the forward config's 16-bit ``state_block_v``)."""
-    if pool is not None or not isinstance(bounds, SeqBounds):
+    :class:`kda_jax.configs.SegmentConfig`, when its ``xla`` is set), or None:
+    the call runs as one pass. Host bounds only (the serving forms, a pool or
+    a VarlenBatch, stay one pass). The Triton path segments its state passes
+    itself (:mod:`kda_jax.triton.state_chain`)."""
+    if backend != "xla" or pool is not None or not isinstance(bounds, SeqBounds):
         return None
     cfg = configs.segment_config()
-    if backend == "xla":
-        if not cfg.xla:
-            return None
-        v_blocks = 1
-    else:
-        if vd + kd > max_head_dim:
-            return None
-        block_v = configs.forward_config(chunk_size=opts.chunk_size).state_block_v
-        v_blocks = -(-vd // min(block_v, next_pow2(vd)))
+    if not cfg.xla:
+        return None
     per = segment_chunks(
-        bounds, opts.chunk_size, hv=hv, programs_per_seq_head=v_blocks,
+        bounds, opts.chunk_size, hv=hv, programs_per_seq_head=1,
         min_programs=cfg.min_programs, target_programs=cfg.target_programs,
         min_segment_chunks=cfg.min_segment_chunks, forced_segment_chunks=cfg.segment_chunks)
     return None if per is None else segment_plan(bounds, opts.chunk_size, per)

@@ -24,9 +24,10 @@ import functools
 
 import numpy as np
 
-from kda_jax.bounds import SeqBounds
+from kda_jax.bounds import SeqBounds, chunk_offsets, pack_int32_tables
 
-__all__ = ["SegmentPlan", "segment_plan", "segment_chunks", "DevicePieces", "context_plan"]
+__all__ = ["SegmentPlan", "segment_plan", "SegmentTables", "segment_tables", "segment_chunks",
+           "DevicePieces", "context_plan"]
 
 _CACHE_SIZE = 256
 
@@ -150,6 +151,51 @@ def segment_plan(bounds: SeqBounds, chunk_size: int, per_segment: int) -> Segmen
     return SegmentPlan(bounds=bounds, segments=segments, first=first, seq=seq, fold=fold,
                        final_lane=final_lane, final_segment=final_segment,
                        corr_index=corr_index, corr_start=corr_start, corr_slot=corr_slot)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SegmentTables:
+    """A plan's tables for the Triton state chain (kernels/segments.py).
+
+    Attributes:
+      plan: the :class:`SegmentPlan`.
+      packed: one int32 buffer (:class:`kda_jax.bounds.PackedTables`):
+        ``cu_seqlens`` and ``chunk_offsets`` of the segments (their chunks are
+        the rows the unsegmented call numbers, in the same order) and
+        ``lanes`` ``[L, 3]``: per sequence with segments, (its first segment,
+        its segment count, the sequence).
+      num_lanes: L.
+      first_segment, last_segment: int64 ``[N]``: each sequence's first and
+        last segment, -1 for an empty sequence.
+    """
+
+    plan: SegmentPlan
+    packed: object
+    num_lanes: int
+    first_segment: np.ndarray
+    last_segment: np.ndarray
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def segment_tables(plan: SegmentPlan, chunk_size: int) -> SegmentTables:
+    """The :class:`SegmentTables` of ``plan`` (segments of whole
+    ``chunk_size`` chunks)."""
+    n = plan.bounds.num_seqs
+    counts = np.bincount(plan.seq, minlength=n) if plan.seq.size else np.zeros(n, np.int64)
+    first = np.concatenate([[0], np.cumsum(counts)])[:-1]
+    has = counts > 0
+    lanes = np.stack([first[has], counts[has], np.flatnonzero(has)], axis=1)
+    offsets = chunk_offsets(plan.segments, chunk_size)
+    whole = chunk_offsets(plan.bounds, chunk_size)
+    if not np.array_equal(offsets[first[has]], whole[:-1][has]) or offsets[-1] != whole[-1]:
+        raise AssertionError("segments must cut sequences at whole chunks")  # by construction
+    packed = pack_int32_tables({"cu_seqlens": plan.segments.cu_seqlens,
+                                "chunk_offsets": offsets, "lanes": lanes.reshape(-1, 3)})
+    first_segment = np.where(has, first, -1)
+    last_segment = np.where(has, first + counts - 1, -1)
+    _frozen(first_segment, last_segment)
+    return SegmentTables(plan=plan, packed=packed, num_lanes=int(has.sum()),
+                         first_segment=first_segment, last_segment=last_segment)
 
 
 def segment_chunks(bounds: SeqBounds, chunk_size: int, *, hv: int, programs_per_seq_head: int,

@@ -153,12 +153,14 @@ def kda_bwd_dstate_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
     STORE_INITIAL_GRAD: tl.constexpr, STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, STORE_CHUNKS: tl.constexpr,
 ):
     """The state's cotangent, carried from the final state back over the
     chunks in reverse: stores dS (the cotangent of each chunk's end state,
     fp32), dv_new, and the initial state's gradient. SPLIT_K: dS is two
-    [BK, BV] tiles, as the forward's state."""
+    [BK, BV] tiles, as the forward's state. Without STORE_CHUNKS only the
+    initial state's gradient is stored (a segment's own contribution,
+    kda_jax.triton.state_chain)."""
     i_n, i_hv, bos, eos, c0, n_chunks, o_v, o_t, m_v = _seq_program(
         meta, off_cu, off_co, n_tokens, n_chunk_rows, V, BT, BV)
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
@@ -175,7 +177,8 @@ def kda_bwd_dstate_kernel(
         i_t = n_chunks - 1 - s
         m_t, r64, p_k, p_v, m_tk, m_tv, i_c, p_h = _seq_chunk(
             bos, eos, c0, i_t, o_t, i_hv, o_k, m_k, o_v, m_v, HV, K, V, BT)
-        tl.store(dh + p_h, b_dh, mask=m_kv)
+        if STORE_CHUNKS:
+            tl.store(dh + p_h, b_dh, mask=m_kv)
         if SPLIT_K:
             # The products with dS first, one K half at a time; the tiles used
             # transposed are loaded [BK, BT] (K contiguous) instead: transposing
@@ -185,7 +188,8 @@ def kda_bwd_dstate_kernel(
             m_kt = m_k[:, None] & m_t[None, :]
             m_kt1 = m_k1[:, None] & m_t[None, :]
             m_tk1 = m_t[:, None] & m_k1[None, :]
-            tl.store(dh + BK * V + p_h, b_dh1, mask=m_kv1)
+            if STORE_CHUNKS:
+                tl.store(dh + BK * V + p_h, b_dh1, mask=m_kv1)
             b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
             b_dvn = dot(b_kt, b_dh.to(b_kt.dtype), DOT)
             b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
@@ -195,7 +199,8 @@ def kda_bwd_dstate_kernel(
             b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_at.dtype)
             b_dvn += dot(b_at, b_do, DOT)
             b_dvnd = b_dvn.to(b_kt.dtype)
-            tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
+            if STORE_CHUNKS:
+                tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
             b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
             b_qgt = tl.load(qg + p_kt, mask=m_kt, other=0.)
             b_dh = b_dh * b_gl[:, None] + dot(b_qgt, b_do, DOT)
@@ -216,7 +221,8 @@ def kda_bwd_dstate_kernel(
             b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
             b_dvn += dot(b_kt, b_dh.to(b_kt.dtype), DOT)
             b_dvnd = b_dvn.to(b_kt.dtype)
-            tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
+            if STORE_CHUNKS:
+                tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
             b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
             b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
             b_dh = b_dh * b_gl[:, None] + dot(tl.trans(b_qg), b_do, DOT)

@@ -62,6 +62,18 @@ SIGNATURES = {
                 ("slots", I32)),
         outputs=(("o", IN), ("ht", F32)),
     ),
+    # The state chain over segments (kernels/segments.py).
+    "kda_segment_map_kernel": Signature(
+        "segments",
+        inputs=(("w", WORK), ("u", WORK), ("kt", WORK), ("gl", F32)) + _META_SEQS
+        + (("n_tokens", I32), ("n_chunk_rows", I32)),
+        outputs=(("e", F32), ("m", F32)),
+    ),
+    "kda_segment_fold_kernel": Signature(
+        "segments",
+        inputs=(("e", F32), ("m", F32), ("h0", F32), ("meta", I32_PTR), ("off_lanes", I32)),
+        outputs=(("s", F32),),
+    ),
     # The backward (q, k, g, beta are the transformed inputs; "in" covers do).
     "kda_bwd_state_kernel": Signature(
         "chunk_bwd",

@@ -38,6 +38,7 @@ from kda_jax.triton.forward import chunk_kda_triton, forward_launches, split_sta
 from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, PACKED, ROWS, STATE, foldable
 from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel,
                                    stand_in)
+from kda_jax.triton import state_chain
 from kda_jax.triton.partitioning import (CALL, GRAD_CALL, GRADS, PARAMS, partitioned,
                                          unpartitioned_under_vmap)
 
@@ -117,7 +118,8 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         KernelLaunch("kda_bwd_dstate_kernel", dict(
             **common, BK=bk_state // (2 if split_rev else 1), BV=bv_state,
             USE_FINAL_GRAD=has_final_grad, STORE_INITIAL_GRAD=has_initial_state,
-            STATE_V_FIRST=opts.state_v_first, DOT=dot_state, SPLIT_K=split_rev),
+            STATE_V_FIRST=opts.state_v_first, DOT=dot_state, SPLIT_K=split_rev,
+            STORE_CHUNKS=True),
             state_warps, state_stages),
         KernelLaunch("kda_bwd_inter_kernel", dict(
             H=h, **common, BK=_block(kd, config.inter_block_k),
@@ -137,7 +139,8 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
 
 
 def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
-                  bounds: SeqBounds, config: BackwardConfig):
+                  bounds: SeqBounds, config: BackwardConfig,
+                  segments: configs.SegmentConfig | None = None):
     """The gradients of the core recurrence (no input transforms).
 
     Args (tokens packed along T, any float dtype unless said):
@@ -199,18 +202,28 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
         grid=(n_chunks, hv, 1), name="kda_bwd_recompute")
 
     n_v = -(-vd // L["kda_bwd_state_kernel"].constexprs["BV"])
-    state = run(
-        "kda_bwd_state_kernel", (n, hv, n_v),
-        dict(w=r["w"], u=r["u"], kt=r["kt"], gl=r["gl"],
-             h0=dummy if initial_state is None else initial_state.astype(f32), **by_seq),
-        dict(h=sds((n_chunks, hv, kd, vd), f32), vn=sds(tv.shape, work)))
-
-    dstate = run(
-        "kda_bwd_dstate_kernel", (n, hv, n_v),
-        dict(qg=r["qg"], kt=r["kt"], w=r["w"], aqk=r["aqk"], gl=r["gl"], do=do,
-             dht=dummy if dht is None else dht.astype(f32), **by_seq),
-        dict(dh=sds((n_chunks, hv, kd, vd), f32), dvn=sds(tv.shape, work),
-             dh0=sds(state_shape if initial_state is not None else (4,), f32)))
+    tables = None
+    if segments is not None:
+        tables = state_chain.chain_tables(
+            bounds, segments, chunk_size=bt, hv=hv, kd=kd, vd=vd,
+            block_v=L["kda_bwd_state_kernel"].constexprs["BV"],
+            split_k=L["kda_bwd_state_kernel"].constexprs["SPLIT_K"])
+    if tables is not None:
+        state, dstate = _segmented_state_passes(
+            r, tables, segments, initial_state, dht, do, h=h, hv=hv, kd=kd, vd=vd, n_chunks=n_chunks,
+            tokens=tokens, opts=opts, config=config, work=work)
+    else:
+        state = run(
+            "kda_bwd_state_kernel", (n, hv, n_v),
+            dict(w=r["w"], u=r["u"], kt=r["kt"], gl=r["gl"],
+                 h0=dummy if initial_state is None else initial_state.astype(f32), **by_seq),
+            dict(h=sds((n_chunks, hv, kd, vd), f32), vn=sds(tv.shape, work)))
+        dstate = run(
+            "kda_bwd_dstate_kernel", (n, hv, n_v),
+            dict(qg=r["qg"], kt=r["kt"], w=r["w"], aqk=r["aqk"], gl=r["gl"], do=do,
+                 dht=dummy if dht is None else dht.astype(f32), **by_seq),
+            dict(dh=sds((n_chunks, hv, kd, vd), f32), dvn=sds(tv.shape, work),
+                 dh0=sds(state_shape if initial_state is not None else (4,), f32)))
 
     n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
     inter = run(
@@ -235,6 +248,54 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     dq, dk, dg, dv, dh0 = intra["dq"], intra["dk"], intra["dg"], wy["dv"], dstate["dh0"]
     dbeta = wy["dbeta"] + jnp.sum(intra["dbeta_k"], axis=-1)
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
+
+
+def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, hv, kd, vd, n_chunks,
+                            tokens, opts, config, work):
+    """The backward's two state passes over segments (kda_jax.triton.state_chain):
+    the forward chain's maps and fold give each segment's start state for the
+    state pass; a reverse pass from zero per segment, the transposed fold and
+    a second reverse pass give the cotangents. ``r``: the recompute's outputs.
+    Returns the outputs of the two passes as :func:`core_backward` uses them
+    (``dh0`` per sequence, in the state layout, or a stand-in)."""
+    f32 = jnp.float32
+    sds = jax.ShapeDtypeStruct
+    k_first = lambda x: None if x is None else (
+        jnp.swapaxes(x.astype(f32), -1, -2) if opts.state_v_first else x.astype(f32))
+    h0, ht_bar = k_first(initial_state), k_first(dht)
+    seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
+    L = backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
+                          has_initial_state=True, has_final_grad=True, work=work)
+    state_l, dstate_l = L["kda_bwd_state_kernel"], L["kda_bwd_dstate_kernel"]
+    own_l = dataclasses.replace(dstate_l, constexprs=dict(
+        dstate_l.constexprs, USE_FINAL_GRAD=False, STORE_CHUNKS=False))
+    chain = state_chain.chain_launches(state_l, segments, fp32_dot=config.fp32_dot,
+                                       use_h0=h0 is not None, use_final_grad=ht_bar is not None)
+    e, m = state_chain.segment_maps(chain, tables, r["w"], r["u"], r["kt"], r["gl"],
+                                    n_tokens=tokens, n_chunk_rows=n_chunks)
+    starts = state_chain.fold_states(chain.fold, tables, e, m, h0)
+    n_seg = tables.plan.num_segments
+    by_seg = dict(**state_chain.segment_meta(tables), n_tokens=tokens, n_chunk_rows=n_chunks)
+    grid = (n_seg, hv, -(-vd // state_l.constexprs["BV"]))
+    tv = sds((tokens, hv, vd), work)
+    chunk_states = sds((n_chunks, hv, kd, vd), f32)
+    seg_states = sds((n_seg, hv, kd, vd), f32)
+    state = launch_kernel(
+        state_l, inputs=dict(w=r["w"], u=r["u"], kt=r["kt"], gl=r["gl"], h0=starts, **by_seg),
+        outputs=dict(h=chunk_states, vn=tv), grid=grid, name="kda_bwd_state_kernel")
+    rev = dict(qg=r["qg"], kt=r["kt"], w=r["w"], aqk=r["aqk"], gl=r["gl"], do=do, **by_seg)
+    stand = sds((4,), f32)
+    own = launch_kernel(own_l, inputs=dict(rev, dht=stand_in()),
+                        outputs=dict(dh=stand, dvn=sds((4,), work), dh0=seg_states), grid=grid,
+                        name="kda_bwd_dstate_kernel")
+    ends = state_chain.fold_states(chain.fold_reverse, tables, own["dh0"], m, ht_bar)
+    dstate = launch_kernel(dstate_l, inputs=dict(rev, dht=ends),
+                           outputs=dict(dh=chunk_states, dvn=tv, dh0=seg_states), grid=grid,
+                           name="kda_bwd_dstate_kernel")
+    if initial_state is None:
+        return state, dict(dstate, dh0=stand_in())
+    dh0 = state_chain.per_sequence(dstate["dh0"], tables.first_segment, ht_bar)
+    return state, dict(dstate, dh0=jnp.swapaxes(dh0, -1, -2) if opts.state_v_first else dh0)
 
 
 def _transform(opts: KdaOptions):
@@ -284,51 +345,55 @@ BACKWARD_INPUTS = (PACKED,) * 5 + (STATE, PACKED, STATE, BOUNDS)
 BACKWARD_OUTPUTS = (PACKED,) * 5 + (STATE,)
 
 
-def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config):
+def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, segments):
     """The forward's launches: partitioned under a sharded jit
     (:mod:`kda_jax.triton.partitioning`), one launch for the mapped batch
     under jax.vmap (:mod:`kda_jax.triton.batching`)."""
     def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds):
         return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
-                                bounds=bounds, config=config)
+                                bounds=bounds, config=config, segments=segments)
 
     run = foldable(partitioned(run, CALL[:9], ("o", "state")), FORWARD_INPUTS, FORWARD_OUTPUTS)
     return run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds)
 
 
-def _backward_kernels(q, k, v, g, beta, initial_state, do, dht, opts, bounds, config):
+def _backward_kernels(q, k, v, g, beta, initial_state, do, dht, opts, bounds, config, segments):
     """:func:`core_backward`; under jax.vmap one launch per kernel for the mapped batch."""
     def run(q, k, v, g, beta, initial_state, do, dht, bounds):
         return core_backward(q, k, v, g, beta, initial_state, do, dht, opts=opts,
-                             bounds=bounds, config=config)
+                             bounds=bounds, config=config, segments=segments)
 
     run = foldable(run, BACKWARD_INPUTS, BACKWARD_OUTPUTS)
     return run(q, k, v, g, beta, initial_state, do, dht, bounds)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
 def _chunk_kda(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
-               bwd_config):
-    return _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config)
+               bwd_config, segments):
+    return _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
+                    segments)
 
 
-def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, bwd_config):
-    out = _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config)
+def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, bwd_config,
+         segments):
+    out = _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
+                   segments)
     return out, (q, k, v, g, beta, initial_state, A_log, dt_bias)
 
 
-def _bwd(opts, bounds, config, bwd_config, residuals, cotangents):
+def _bwd(opts, bounds, config, bwd_config, segments, residuals, cotangents):
     # Partitioned under a sharded jit; under jax.vmap (which has no rule for
     # a custom_partitioning) the plain gradients, whose kernel part folds the
     # mapped axis into one launch.
     run = lambda *args: _grads(*args[:8], *args[9:], opts=opts, bounds=args[8],
-                               bwd_config=bwd_config)
+                               bwd_config=bwd_config, segments=segments)
     step = unpartitioned_under_vmap(partitioned(run, GRAD_CALL, GRADS, summed=PARAMS), run)
     return step(*residuals, bounds, *cotangents)
 
 
 def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: KdaOptions,
-           bounds: SeqBounds, bwd_config: BackwardConfig):
+           bounds: SeqBounds, bwd_config: BackwardConfig,
+           segments: configs.SegmentConfig | None = None):
     """The gradients of q, k, v, g, beta, initial_state, A_log, dt_bias (None
     for an absent one) from the raw inputs and the cotangents ``do`` and
     ``dht`` (None without a final state)."""
@@ -347,7 +412,7 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
         state_axes = (slice(None), slice(None), None, None)
         dht = jnp.where(finals[state_axes], jnp.zeros((), dht.dtype), dht)
     dq, dk, dv, dg, dbeta, dh0 = _backward_kernels(tq, tk, tv, tg, tb, initial_state, do, dht,
-                                                   opts, bounds, bwd_config)
+                                                   opts, bounds, bwd_config, segments)
     # A value head's q/k gradient belongs to its group's q/k head.
     group = lambda x: x.reshape(tokens, h, hv // h, kd).sum(axis=2)
     dq, dk = group(dq), group(dk)
@@ -380,12 +445,15 @@ def _vjp_with_flags(opts, q, k, v, g, beta, A_log, dt_bias):
 
 def chunk_kda_triton_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                           opts: KdaOptions, bounds: SeqBounds, config: ForwardConfig,
-                          bwd_config: BackwardConfig | None = None):
+                          bwd_config: BackwardConfig | None = None,
+                          segments: configs.SegmentConfig | None = None):
     """:func:`kda_jax.triton.forward.chunk_kda_triton` made differentiable
     (same arguments and result), with gradients for q, k, v, g, beta,
     initial_state, A_log and dt_bias. ``bwd_config`` defaults to the current
-    arch's :func:`kda_jax.configs.backward_config` (read at trace time)."""
+    arch's :func:`kda_jax.configs.backward_config` (read at trace time);
+    ``segments``: the rule that may run the state passes over segments
+    (:mod:`kda_jax.triton.state_chain`), None: never."""
     if bwd_config is None:
         bwd_config = configs.backward_config()
     return _chunk_kda(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
-                      bwd_config)
+                      bwd_config, segments)

@@ -11,18 +11,22 @@ it in place.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kda_jax import pool as state_pool
 from kda_jax.bounds import next_pow2
 from kda_jax.batch import kernel_metadata
-from kda_jax.configs import ForwardConfig
+from kda_jax.configs import ForwardConfig, SegmentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
 from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel, stand_in,
                                    transform_constexprs)
 from kda_jax.triton.partitioning import CALL, partitioned
+from kda_jax.triton import state_chain
 from kda_jax.triton.state_args import kernel_states
 
 __all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches", "split_state_k",
@@ -116,10 +120,13 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
 
 def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                      opts: KdaOptions, bounds, config: ForwardConfig,
-                     pool: state_pool.StatePool | None = None):
+                     pool: state_pool.StatePool | None = None,
+                     segments: SegmentConfig | None = None):
     """Validated inputs in; ``(o, final_state | None)`` out, or ``(o, new_cache)``
     with a pool (then ``initial_state`` is None). ``bounds``: SeqBounds or
     VarlenBatch (a batch's padded sequence slots already masked in ``pool``).
+    ``segments``: the rule that may run the state pass over segments
+    (:mod:`kda_jax.triton.state_chain`; host bounds only), None: never.
     See kda_jax.chunk_kda."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
@@ -170,6 +177,16 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                 gc=sds((tokens, hv, kd), f32)),  # the kernel's scratch
             grid=(meta.chunk_programs, hv, 1), name="kda_fwd_prepare")
 
+    tables = None
+    if segments is not None and not indexed and not empty:
+        tables = state_chain.chain_tables(
+            bounds, segments, chunk_size=bt, hv=hv, kd=kd, vd=vd, block_v=state.constexprs["BV"],
+            split_k=state.constexprs["SPLIT_K"])
+    if tables is not None:
+        return _segmented_state_output(p, tables, segments, initial_state, q.dtype, h=h, hv=hv,
+                                       kd=kd, vd=vd, b=b, t=t, opts=opts, config=config,
+                                       work=work, n_chunk_rows=meta.chunk_programs)
+
     st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
     out = launch_kernel(
         state,
@@ -187,6 +204,45 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     if indexed:
         return o, ht
     return o, (ht if opts.output_final_state else None)
+
+
+def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h, hv, kd, vd, b,
+                            t, opts, config, work, n_chunk_rows):
+    """The state pass over segments (:mod:`kda_jax.triton.state_chain`): maps,
+    fold, then the state-output kernel per segment from its start state.
+    ``p``: the prepare kernel's outputs. Same result as the one pass."""
+    tokens = b * t
+    f32 = jnp.float32
+    seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
+    _, state = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
+                                work=work, has_a_log=False, has_dt_bias=False,
+                                has_initial_state=True)
+    chain = state_chain.chain_launches(state, segments, fp32_dot=config.fp32_dot,
+                                       use_h0=initial_state is not None)
+    e, m = state_chain.segment_maps(chain, tables, p["w"], p["u"], p["kt"], p["gl"],
+                                    n_tokens=tokens, n_chunk_rows=n_chunk_rows)
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.astype(f32)
+        h0 = jnp.swapaxes(h0, -1, -2) if opts.state_v_first else h0
+    starts = state_chain.fold_states(chain.fold, tables, e, m, h0)
+    n_seg = tables.plan.num_segments
+    no_index = stand_in(np.int32)
+    sds = jax.ShapeDtypeStruct
+    out = launch_kernel(
+        state,
+        inputs=dict(w=p["w"], u=p["u"], qg=p["qg"], kt=p["kt"], aqk=p["aqk"], gl=p["gl"],
+                    h0=starts, read_idx=no_index, write_idx=no_index,
+                    **state_chain.segment_meta(tables), n_seqs=n_seg, n_tokens=tokens,
+                    n_chunk_rows=n_chunk_rows, slots=0),
+        outputs=dict(o=sds((tokens, hv, vd), out_dtype),
+                     ht=sds((n_seg, hv, kd, vd) if opts.output_final_state else (4,), f32)),
+        grid=(n_seg, hv, -(-vd // state.constexprs["BV"])), name="kda_fwd_state_output")
+    o = out["o"].reshape(b, t, hv, vd)
+    if not opts.output_final_state:
+        return o, None
+    final = state_chain.per_sequence(out["ht"], tables.last_segment, h0)
+    return o, (jnp.swapaxes(final, -1, -2) if opts.state_v_first else final)
 
 
 def chunk_kda_triton_serving(q, k, v, g, beta, initial_state, A_log, dt_bias, *,

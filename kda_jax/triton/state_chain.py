@@ -1,0 +1,146 @@
+"""The segmented state chain of the Triton path (docs/kda.md section 7).
+
+Long sequences with few heads leave the state passes (one program per
+sequence, value head and V block, walking every chunk in order) with too few
+programs for the GPU. When the rule of :func:`kda_jax.segments.segment_chunks`
+says so, sequences are cut into segments of whole chunks, and each state pass
+runs per segment from the state the segment starts from:
+
+1. the map kernel gives every segment's (E, M) at once (its end state from
+   a zero start and its [K, K] transition),
+2. the fold kernel walks each sequence's segments and writes the state each
+   starts from (a float32 product per segment),
+3. the state pass runs over the segments (the segments' bounds and chunk
+   offsets in place of the sequences'), every segment's program in parallel.
+
+The backward runs its forward state pass the same way, and its reverse pass
+(the state's cotangent, carried from the end) with the transposed fold: a
+first reverse pass from zero per segment gives each segment's own
+contribution, the fold carries the cotangents across segments, and a second
+reverse pass runs from them.
+
+Host bounds only, K <= 128, and the state held whole in K (a call whose
+state pass splits K in halves, float32 intermediates from K = 128 on, runs
+unsegmented).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda_jax import configs
+from kda_jax.bounds import SeqBounds, next_pow2
+from kda_jax.segments import SegmentTables, segment_chunks, segment_plan, segment_tables
+from kda_jax.triton.launch import KernelLaunch, dot_code, launch_kernel, stand_in
+
+__all__ = ["chain_tables", "chain_launches", "segment_maps", "fold_states", "ChainLaunches"]
+
+# The fold's tiles: [K, FOLD_BV] states, [K, FOLD_BJ] slices of M.
+FOLD_BV = 32
+FOLD_BJ = 32
+
+
+def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int, kd: int,
+                 vd: int, block_v: int, split_k: bool) -> SegmentTables | None:
+    """The segment tables of a call under the rule ``cfg``, or None: it runs
+    unsegmented. ``block_v``: the state pass's V block (its programs per
+    sequence and head are cdiv(V, block_v)); ``split_k``: the state pass
+    holds the state as two K halves (then no segments). Host bounds only."""
+    if not isinstance(bounds, SeqBounds) or split_k or next_pow2(max(kd, 16)) > 128:
+        return None
+    per = segment_chunks(
+        bounds, chunk_size, hv=hv, programs_per_seq_head=-(-vd // block_v),
+        min_programs=cfg.min_programs, target_programs=cfg.target_programs,
+        min_segment_chunks=cfg.min_segment_chunks, forced_segment_chunks=cfg.segment_chunks)
+    if per is None:
+        return None
+    return segment_tables(segment_plan(bounds, chunk_size, per), chunk_size)
+
+
+class ChainLaunches:
+    """The map and fold launches of one call (constexprs derived here once;
+    the AOT compiles them from :func:`chain_launches`)."""
+
+    def __init__(self, map_: KernelLaunch, fold: KernelLaunch, fold_reverse: KernelLaunch):
+        self.map, self.fold, self.fold_reverse = map_, fold, fold_reverse
+
+
+def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, fp32_dot: str,
+                   use_h0: bool, use_final_grad: bool = False) -> ChainLaunches:
+    """Launches for a call whose state pass is ``state`` (the map kernel is
+    that pass without its outputs: its V block, product precision, warps and
+    stages, unless ``cfg`` sets them) and the fold's float32 products at
+    ``fp32_dot``. ``use_h0``: the
+    forward fold starts from initial states; ``use_final_grad``: the reverse
+    fold from final-state cotangents."""
+    c = state.constexprs
+    hv, kd, vd, chunk_size = c["HV"], c["K"], c["V"], c["BT"]
+    bk = next_pow2(max(kd, 16))
+    map_ = KernelLaunch("kda_segment_map_kernel", dict(
+        HV=hv, K=kd, V=vd, BT=chunk_size, BK=bk,
+        BV=c["BV"] if cfg.map_block_v is None else min(next_pow2(max(vd, 16)), cfg.map_block_v),
+        DOT=c["DOT"]), state.num_warps if cfg.map_warps is None else cfg.map_warps,
+        state.num_stages)
+    fold = dict(HV=hv, K=kd, V=vd, BK=bk, BV=min(next_pow2(max(vd, 16)), FOLD_BV),
+                BJ=min(bk, FOLD_BJ), DOT=dot_code(fp32_dot))
+    return ChainLaunches(
+        map_,
+        KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_h0, REVERSE=False), 4, 1),
+        KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_final_grad, REVERSE=True),
+                     4, 1))
+
+
+def segment_meta(tables: SegmentTables) -> dict:
+    """The segments' metadata arguments of a per-sequence kernel (the buffer
+    is the call's second int32 constant)."""
+    packed = tables.packed
+    return dict(meta=jnp.asarray(packed.buffer), off_cu=packed.offset("cu_seqlens"),
+                off_co=packed.offset("chunk_offsets"))
+
+
+def segment_maps(launches: ChainLaunches, tables: SegmentTables, w, u, kt, gl, *,
+                 n_tokens: int, n_chunk_rows: int):
+    """(E [S, HV, K, V], M [S, HV, K, K]) float32 of every segment, from the
+    prepare kernel's w, u, kt ([T, HV, *], 16-bit) and gl [chunks, HV, K]."""
+    c = launches.map.constexprs
+    hv, kd, vd, bv = c["HV"], c["K"], c["V"], c["BV"]
+    s = tables.plan.num_segments
+    sds = jax.ShapeDtypeStruct
+    out = launch_kernel(
+        launches.map,
+        inputs=dict(w=w, u=u, kt=kt, gl=gl, **segment_meta(tables), n_tokens=n_tokens,
+                    n_chunk_rows=n_chunk_rows),
+        outputs=dict(e=sds((s, hv, kd, vd), jnp.float32), m=sds((s, hv, kd, kd), jnp.float32)),
+        grid=(s, hv, -(-vd // bv) + -(-kd // bv)), name="kda_segment_map")
+    return out["e"], out["m"]
+
+
+def fold_states(launch: KernelLaunch, tables: SegmentTables, e, m, start):
+    """The state every segment starts from (forward launch) or the cotangent
+    of its end state (reverse launch), float32 [S, HV, K, V] K-first, from the
+    maps and ``start`` [N, HV, K, V] float32 (each sequence's initial state,
+    or its final state's cotangent), or None (zeros)."""
+    c = launch.constexprs
+    hv, kd, vd = c["HV"], c["K"], c["V"]
+    s = tables.plan.num_segments
+    packed = tables.packed
+    out = launch_kernel(
+        launch,
+        inputs=dict(e=e, m=m, h0=stand_in() if start is None else start.astype(jnp.float32),
+                    meta=jnp.asarray(packed.buffer), off_lanes=packed.offset("lanes")),
+        outputs=dict(s=jax.ShapeDtypeStruct((s, hv, kd, vd), jnp.float32)),
+        grid=(tables.num_lanes, hv, -(-vd // c["BV"])), name="kda_segment_fold")
+    return out["s"]
+
+
+def per_sequence(states, index: np.ndarray, fallback):
+    """Row ``index[n]`` of ``states`` [S, ...] for each sequence n, and
+    ``fallback`` [N, ...] (or zeros when None) where the index is -1 (an empty
+    sequence)."""
+    index = np.asarray(index)
+    picked = jnp.take(states, jnp.asarray(np.maximum(index, 0)), axis=0)
+    empty = jnp.asarray(index < 0).reshape((-1,) + (1,) * (states.ndim - 1))
+    other = jnp.zeros_like(picked) if fallback is None else fallback.astype(picked.dtype)
+    return jnp.where(empty, other, picked)
