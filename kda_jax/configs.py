@@ -610,6 +610,9 @@ class SegmentConfig:
       a call whose sequences all fit in one segment still runs unsegmented.
     xla: apply the same rule to the XLA path (its state pass is a scan over
       the longest segment's chunks instead of the longest sequence's).
+    backward_min_programs: the backward's threshold in place of
+      min_programs (its segmented reverse pass runs twice, so it pays off at
+      fewer programs than the forward); 0: the backward never segments.
     map_block_v / map_warps: the map kernel's column block and warps
       (kernels/segments.py; None: the state pass's V block and warps).
     """
@@ -619,6 +622,7 @@ class SegmentConfig:
     min_segment_chunks: int = 8
     segment_chunks: int | None = None
     xla: bool = False
+    backward_min_programs: int = 0
     map_block_v: int | None = None
     map_warps: int | None = None
 
@@ -627,7 +631,8 @@ class SegmentConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value not in allowed):
                 raise ValueError(f"{name}={value!r} must be None or one of {allowed}")
-        for name in ("min_programs", "target_programs", "min_segment_chunks"):
+        for name in ("min_programs", "target_programs", "min_segment_chunks",
+                     "backward_min_programs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
@@ -642,13 +647,17 @@ class SegmentConfig:
             raise ValueError(f"xla={self.xla!r} must be True or False")
 
 
-# sm90: segment when the state pass has fewer than 128 programs (the H200 has
-# 132 SMs), into segments of at least 128 chunks aiming at 256 programs. On the
-# H200 (docs/tuning.md, "Segmented state chain") 128-chunk segments beat 32 and
-# 64 on every low-head row, and no row of 128 programs or more gains. The AMD
-# targets and other GPUs: off until measured there (force it with
-# override_segments; the kernels compile for every target, kda_jax.aot).
-_SEGMENT_RULE = dict(min_programs=128, target_programs=256, min_segment_chunks=128)
+# sm90: the forward segments when its state pass has fewer than 128 programs
+# (the H200 has 132 SMs), into segments of 128 chunks (at least; the target of
+# 512 programs asks for shorter ones on every row measured), the backward below
+# 32 programs. On the H200 (docs/tuning.md, "Segmented state chain") 128-chunk
+# segments beat 32 and 64 in the forward on every low-head row, a row of 128
+# programs gains nothing, and the backward, whose reverse pass runs twice,
+# gained at 16 programs and lost at 32 and 48. The AMD targets and other GPUs:
+# off until measured there (force it with override_segments; the kernels
+# compile for every target, kda_jax.aot).
+_SEGMENT_RULE = dict(min_programs=128, target_programs=512, min_segment_chunks=128,
+                     backward_min_programs=32)
 SEGMENTS = {
     "sm90": SegmentConfig(**_SEGMENT_RULE),
     "gfx950": SegmentConfig(),

@@ -207,7 +207,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
         tables = state_chain.chain_tables(
             bounds, segments, chunk_size=bt, hv=hv, kd=kd, vd=vd,
             block_v=L["kda_bwd_state_kernel"].constexprs["BV"],
-            split_k=L["kda_bwd_state_kernel"].constexprs["SPLIT_K"])
+            split_k=L["kda_bwd_state_kernel"].constexprs["SPLIT_K"], backward=True)
     if tables is not None:
         state, dstate = _segmented_state_passes(
             r, tables, segments, initial_state, dht, do, h=h, hv=hv, kd=kd, vd=vd, n_chunks=n_chunks,

@@ -43,16 +43,18 @@ FOLD_BJ = 32
 
 
 def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int, kd: int,
-                 vd: int, block_v: int, split_k: bool) -> SegmentTables | None:
-    """The segment tables of a call under the rule ``cfg``, or None: it runs
-    unsegmented. ``block_v``: the state pass's V block (its programs per
-    sequence and head are cdiv(V, block_v)); ``split_k``: the state pass
-    holds the state as two K halves (then no segments). Host bounds only."""
+                 vd: int, block_v: int, split_k: bool, backward: bool = False
+                 ) -> SegmentTables | None:
+    """The segment tables of a call under the rule ``cfg`` (its backward
+    threshold for ``backward``), or None: it runs unsegmented. ``block_v``:
+    the state pass's V block (its programs per sequence and head are
+    cdiv(V, block_v)); ``split_k``: the state pass holds the state as two K
+    halves (then no segments). Host bounds only."""
     if not isinstance(bounds, SeqBounds) or split_k or next_pow2(max(kd, 16)) > 128:
         return None
     per = segment_chunks(
         bounds, chunk_size, hv=hv, programs_per_seq_head=-(-vd // block_v),
-        min_programs=cfg.min_programs, target_programs=cfg.target_programs,
+        min_programs=cfg.backward_min_programs if backward else cfg.min_programs, target_programs=cfg.target_programs,
         min_segment_chunks=cfg.min_segment_chunks, forced_segment_chunks=cfg.segment_chunks)
     if per is None:
         return None
