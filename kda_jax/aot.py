@@ -64,7 +64,14 @@ BWD_KERNELS = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kern
                "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
 # The decode kernel (kda_jax.kernels.fused_recurrent), at recurrent_constexprs'.
 DECODE_KERNELS = ("kda_fused_recurrent_kernel",)
-ALL_KERNELS = KERNELS + DECODE_KERNELS + BWD_KERNELS
+# The segmented state chain (kda_jax.kernels.segments) at the launches
+# kda_jax.triton.state_chain.chain_launches derives from the forward's state
+# pass (map, fold) and the backward's (map_bwd, fold_bwd, fold_reverse); only
+# at the specs whose state pass holds the state whole (the others never
+# segment).
+SEGMENT_KERNELS = ("kda_segment_map_kernel", "kda_segment_fold_kernel", "kda_segment_map_bwd",
+                   "kda_segment_fold_bwd", "kda_segment_fold_reverse")
+ALL_KERNELS = KERNELS + DECODE_KERNELS + BWD_KERNELS + SEGMENT_KERNELS
 
 # target name -> (backend, arch, warp size); the name keys configs.FORWARD.
 TARGETS = {
@@ -138,7 +145,10 @@ def _spec_options(spec: Spec):
 # backward config (kda_jax.triton.backward.recompute_launch). Every other
 # kernel name is its function's; the functions' arguments and their kinds are
 # kda_jax.kernels.signatures'.
-_FUNCTION = {"kda_bwd_recompute": "kda_fwd_prepare_kernel"}
+_FUNCTION = {"kda_bwd_recompute": "kda_fwd_prepare_kernel",
+             "kda_segment_map_bwd": "kda_segment_map_kernel",
+             "kda_segment_fold_bwd": "kda_segment_fold_kernel",
+             "kda_segment_fold_reverse": "kda_segment_fold_kernel"}
 
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -188,8 +198,42 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
+def _segment_launch_for(kernel: str, target: str, spec: Spec):
+    """_launch_for of a segmented-chain kernel, or None where the spec's
+    state pass splits K (that call never segments)."""
+    from kda_jax.configs import segment_config
+    from kda_jax.triton.state_chain import chain_launches
+
+    backward = kernel in ("kda_segment_map_bwd", "kda_segment_fold_bwd",
+                          "kda_segment_fold_reverse")
+    if backward:
+        state, config, work = _bwd_launch_for("kda_bwd_state_kernel", target, spec)
+    else:
+        state, config, work = _launch_for("kda_fwd_state_output_kernel", target, spec)
+    if state.constexprs["SPLIT_K"] or state.constexprs["BK"] > 128:
+        return None
+    has_h0 = spec.flags == "all"
+    chain = chain_launches(state, segment_config(target), fp32_dot=config.fp32_dot,
+                           use_h0=has_h0, use_final_grad=has_h0)
+    launch = {"kda_segment_map_kernel": chain.map, "kda_segment_map_bwd": chain.map,
+              "kda_segment_fold_kernel": chain.fold, "kda_segment_fold_bwd": chain.fold,
+              "kda_segment_fold_reverse": chain.fold_reverse}[kernel]
+    return launch, config, work
+
+
+def applies(kernel: str, target: str, spec: Spec) -> bool:
+    """Whether a call at ``spec`` launches ``kernel`` (the segmented chain's
+    kernels only where its state pass holds the state whole)."""
+    return kernel not in SEGMENT_KERNELS or _segment_launch_for(kernel, target, spec) is not None
+
+
 def _launch_for(kernel: str, target: str, spec: Spec):
     """(KernelLaunch, config, work dtype name) of ``kernel`` for this target/spec."""
+    if kernel in SEGMENT_KERNELS:
+        found = _segment_launch_for(kernel, target, spec)
+        if found is None:
+            raise ValueError(f"{kernel} does not run at {spec.name}: its state pass splits K")
+        return found
     if kernel in BWD_KERNELS:
         return _bwd_launch_for(kernel, target, spec)
     if kernel in DECODE_KERNELS:
@@ -503,7 +547,8 @@ def run(targets=tuple(TARGETS), specs=SPECS, kernels=ALL_KERNELS, jobs: int = 2,
     fields its own, ``same_binary_as`` naming the row compiled ("kernel spec")
     and ``compile_s`` None; a compile that fails or spills fails them all.
     """
-    work = [(kn, tg, sp) for tg in targets for sp in specs for kn in kernels]
+    work = [(kn, tg, sp) for tg in targets for sp in specs for kn in kernels
+            if applies(kn, tg, sp)]
     rows = [None] * len(work)
     with tempfile.TemporaryDirectory(prefix="kda_aot_cache_") as cache:
         ctx = multiprocessing.get_context("spawn")
@@ -545,7 +590,10 @@ _SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "s
           "kda_fused_recurrent_kernel": "decode",
           "kda_bwd_recompute": "bwd_recompute", "kda_bwd_state_kernel": "bwd_state",
           "kda_bwd_dstate_kernel": "bwd_dstate", "kda_bwd_inter_kernel": "bwd_inter",
-          "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra"}
+          "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra",
+          "kda_segment_map_kernel": "seg_map", "kda_segment_fold_kernel": "seg_fold",
+          "kda_segment_map_bwd": "seg_map_bwd", "kda_segment_fold_bwd": "seg_fold_bwd",
+          "kda_segment_fold_reverse": "seg_fold_rev"}
 
 
 def _fmt(v):

@@ -1,7 +1,8 @@
-"""The segmented schedule (kda_jax.segments, kda_jax.segmented): host plans, the
-rule, and chunk_kda with segments forced on small shapes against the float32
-reference and the unsegmented call, forward and gradients, on the XLA path and
-the Triton path (interpreter on the CPU)."""
+"""The segmented schedule: host plans and tables (kda_jax.segments), the rule,
+and chunk_kda with segments forced on small shapes against the float32
+reference and the unsegmented call, forward and gradients: the Triton path's
+state chain (kda_jax.triton.state_chain, kernels/segments.py; interpreter on
+the CPU) and the XLA path's composition (kda_jax.segmented)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import kda_jax
 from kda_jax import configs, segmented, segments
 from kda_jax.bounds import SeqBounds
 from kda_jax.testing import DENSE_SWEEP, make_inputs
-from kda_jax.triton import unavailable_reason
+from kda_jax.triton import state_chain, unavailable_reason
 
 # Segments of one chunk each: every sequence longer than a chunk is cut.
 FORCED = configs.SegmentConfig(segment_chunks=1, xla=True)
@@ -55,27 +56,47 @@ def test_plan_cuts_whole_chunks_and_covers_every_token():
         128, 128, 44]
 
 
+def test_tables_of_the_state_chain():
+    """The Triton chain's tables: the segments' chunk offsets are the rows the
+    unsegmented call numbers; lanes = sequences with segments."""
+    from kda_jax.bounds import chunk_offsets
+
+    tables = segments.segment_tables(segments.segment_plan(SeqBounds(CU), 32, 1), 32)
+    packed = tables.packed
+    assert packed.view("cu_seqlens").tolist() == [0, 32, 64, 70, 71, 103, 135, 140]
+    assert packed.view("chunk_offsets").tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert chunk_offsets(SeqBounds(CU), 32).tolist() == [0, 3, 3, 4, 7]
+    assert packed.view("lanes").tolist() == [[0, 3, 0], [3, 1, 2], [4, 3, 3]]
+    assert tables.num_lanes == 3
+    assert tables.first_segment.tolist() == [0, -1, 3, 4]
+    assert tables.last_segment.tolist() == [2, -1, 3, 6]
+
+
+SWEEP_ROWS = ((1, 65536, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 12))
+
+
 def test_rule_segments_the_issue_rows_and_not_the_sweep():
-    """A rule at 128 programs (an H200 has 132 SMs) segments the low-head long
-    rows and no row of the forward sweep (K = V = 128, 4 V blocks). No arch
-    ships it on: segmenting measured slower on some of those rows."""
-    assert all(c.min_programs == 0 and c.segment_chunks is None
-               for c in configs.SEGMENTS.values())
-    cfg = configs.SegmentConfig(min_programs=128, target_programs=1024, min_segment_chunks=8)
+    """sm90's rule (an H200 has 132 SMs) cuts the low-head long rows into
+    128-chunk segments in the forward, and only the 16-program rows in the
+    backward; no other row of the forward sweep (K = V = 128, 4 V blocks).
+    The AMD targets and unknown devices ship it off."""
+    assert all(configs.SEGMENTS[a].min_programs == 0 for a in
+               ("gfx950", "gfx942", "gfx1250", "default"))
+    cfg = configs.SEGMENTS["sm90"]
     blocks = -(-128 // configs.FORWARD["sm90"].state_block_v)
 
-    def per(b, t, h):
+    def per(b, t, h, backward=False):
         return segments.segment_chunks(
             SeqBounds.from_lengths([t] * b), 64, hv=h, programs_per_seq_head=blocks,
-            min_programs=cfg.min_programs, target_programs=cfg.target_programs,
-            min_segment_chunks=cfg.min_segment_chunks)
+            min_programs=cfg.backward_min_programs if backward else cfg.min_programs,
+            target_programs=cfg.target_programs, min_segment_chunks=cfg.min_segment_chunks)
 
     for b, t, h in DENSE_SWEEP:
-        if (b, t, h) != (1, 65536, 12):
-            assert per(b, t, h) is None, (b, t, h)
-    for b, t, h in ((1, 65536, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 12)):
-        chunks = per(b, t, h)
-        assert chunks is not None and cfg.min_segment_chunks <= chunks < t // 64, (b, t, h)
+        if (b, t, h) not in SWEEP_ROWS:
+            assert per(b, t, h) is None and per(b, t, h, True) is None, (b, t, h)
+    for b, t, h in SWEEP_ROWS:
+        assert per(b, t, h) == 128, (b, t, h)
+        assert per(b, t, h, backward=True) == (128 if h == 4 else None), (b, t, h)
     # Forced, but every sequence fits in one segment: unsegmented.
     assert segments.segment_chunks(SeqBounds([0, 64]), 64, hv=1, programs_per_seq_head=1,
                                    min_programs=0, target_programs=0, min_segment_chunks=1,
@@ -170,9 +191,9 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 @pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.skipif(
     unavailable_reason() is not None, reason="Triton path unavailable"))])
 def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel_rms):
-    """Forward against the reference; on the Triton path also gradients and
-    the unsegmented call (the composition's autodiff is the same on both
-    paths; tests/test_context_parallel.py differentiates it on the XLA path)."""
+    """Forward against the reference; on the Triton path (the state chain)
+    also gradients and the unsegmented call (tests/test_context_parallel.py
+    differentiates the XLA path's composition)."""
     x = _inputs(0, T=140, N=4, gates=True)
     with_grads = impl == "triton"
     o, f, grads = _run(x, CU, impl, forced=True, grads=with_grads)
@@ -211,6 +232,62 @@ def test_segmented_dense_bf16_every_transform_state_v_first(check_close):
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
+def test_triton_chain_runs_maps_and_folds(monkeypatch):
+    """With segments forced, the Triton forward launches the map kernel and
+    the forward fold over the plan's segments, and its gradient also the
+    reverse fold; with the rule off, neither."""
+    seen = []
+    for name in ("segment_maps", "fold_states"):
+        real = getattr(state_chain, name)
+        monkeypatch.setattr(state_chain, name, lambda *a, _real=real, _name=name, **kw: (
+            seen.append((_name, getattr(a[0], "constexprs", {}).get("REVERSE"),
+                         a[1].plan.num_segments))
+            or _real(*a, **kw)))
+    x = make_inputs(2, B=1, T=70, H=1, HV=1, K=16, V=16)
+    loss = lambda *a: jnp.sum(kda_jax.chunk_kda(*a, chunk_size=32, implementation="triton")[0])
+    with configs.override_segments(FORCED):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*x.args())
+    maps, folds = ([r for r in seen if r[0] == n] for n in ("segment_maps", "fold_states"))
+    # Traced in the forward (as many times as JAX traces it) and the backward,
+    # over 3 segments (32, 32, 6 tokens); one reverse fold.
+    assert len(maps) >= 2 and {m[2] for m in maps} == {3}
+    assert len(folds) == len(maps) + 1 and [f[1] for f in folds].count(True) == 1
+    seen.clear()
+    with configs.override_segments(configs.SegmentConfig()):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*x.args())
+    assert seen == []
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
+def test_triton_chain_gva_transforms_state_v_first(check_close, check_rel_rms):
+    """The Triton state chain on dense rows (B = 2), GVA (HV = 2 H), V-first
+    states and every in-kernel transform, from no initial state, with a
+    final state's cotangent: outputs and gradients against the reference."""
+    x = make_inputs(3, B=2, T=100, H=1, HV=2, K=16, V=16, state_v_first=True, raw_gate=True,
+                    normalized_k=False, beta_logits=True)
+    kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, output_final_state=True,
+              state_v_first=True)
+    w_o = np.random.default_rng(5).standard_normal((2, 100, 2, 16)).astype(np.float32)
+    w_f = np.random.default_rng(6).standard_normal((2, 2, 16, 16)).astype(np.float32)
+
+    def loss(fn, q, k, v, g, beta, A_log, dt_bias):
+        o, f = fn(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **kw)
+        return jnp.sum(o * w_o) + jnp.sum(f * w_f), (o, f)
+
+    args = [np.asarray(a, np.float32) for a in (*x.args(), x.A_log, x.dt_bias)]
+    chunked = functools.partial(kda_jax.chunk_kda, chunk_size=32, implementation="triton")
+    grad = jax.grad(loss, argnums=tuple(range(1, 8)), has_aux=True)
+    with configs.override_segments(FORCED):
+        g, (o, f) = jax.jit(functools.partial(grad, chunked))(*args)
+    rg, (ro, rf) = jax.jit(functools.partial(grad, kda_jax.naive_recurrent_kda))(*args)
+    check_close(o, ro, "float32", "o")
+    check_close(f, rf, "float32", "final_state")
+    for name, got, want in zip(NAMES[:5] + ("A_log", "dt_bias"), g, rg):
+        check_rel_rms(got, want, 1e-4, f"d{name}")
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
 def test_segmented_nonfinite_matches_unsegmented():
     """A NaN in a middle segment: outputs and final state NaN from that token
     of that sequence and head on, as unsegmented; the gradients of everything
@@ -229,24 +306,33 @@ def test_segmented_nonfinite_matches_unsegmented():
 
 
 def test_rule_picks_segments_automatically():
-    """chunk_kda's plan (kda_jax.segmented.plan_call) follows the config's
-    rule: under min_programs segmented (on the XLA path only with xla=True),
-    else not; on the Triton path only where V + K fits."""
+    """The Triton chain's tables (kda_jax.triton.state_chain.chain_tables)
+    and the XLA path's plan (kda_jax.segmented.plan_call) follow the config's
+    rule; the chain only where the state pass holds the state whole."""
     from kda_jax.options import KdaOptions
 
+    bounds = SeqBounds([0, 300])
+    tables = lambda cfg, backward=False, split_k=False, kd=16: state_chain.chain_tables(
+        bounds, cfg, chunk_size=32, hv=1, kd=kd, vd=16, block_v=16, split_k=split_k,
+        backward=backward)
+    rule = configs.SegmentConfig(min_programs=1000, target_programs=4, min_segment_chunks=2,
+                                 backward_min_programs=1)
+    assert tables(rule).plan.segments.lengths.tolist() == [96, 96, 64, 44]  # 10 chunks
+    assert tables(rule, backward=True) is None  # 1 program is not under 1
+    assert tables(rule, split_k=True) is None and tables(rule, kd=256) is None
+    assert tables(dataclasses.replace(rule, min_programs=1)) is None
+    assert state_chain.chain_tables(kda_jax.VarlenBatch.from_lengths(
+        [300], kda_jax.Bucket(1, 512)), rule, chunk_size=32, hv=1, kd=16, vd=16, block_v=16,
+        split_k=False) is None  # a bucketed batch: device bounds, one pass
+
     opts = KdaOptions(scale=0.25, chunk_size=32)
-    plan = lambda backend, max_dim=256: segmented.plan_call(
-        backend, SeqBounds([0, 300]), None, opts, 16, 1, 16, max_dim)
-    rule = configs.SegmentConfig(min_programs=1000, target_programs=4, min_segment_chunks=2)
+    plan = lambda: segmented.plan_call("xla", bounds, None, opts, 1)
     with configs.override_segments(dataclasses.replace(rule, xla=True)):
-        assert plan("xla").segments.lengths.tolist() == [96, 96, 64, 44]  # 10 chunks
-        assert plan("triton").num_segments == 4
-        assert plan("triton", max_dim=31) is None  # V + K = 32 columns do not fit
+        assert plan().segments.lengths.tolist() == [96, 96, 64, 44]
+        assert segmented.plan_call("triton", bounds, None, opts, 1) is None
     with configs.override_segments(rule):
-        assert plan("xla") is None and plan("triton") is not None
-    with configs.override_segments(dataclasses.replace(rule, min_programs=1)):
-        assert plan("triton") is None
-    assert plan("xla") is None  # the CPU's default config: no segments
+        assert plan() is None
+    assert plan() is None  # the CPU's default config: no segments
 
 
 def test_segment_config_checks():
@@ -266,9 +352,14 @@ def test_bench_forward_times_segmented_against_unsegmented(tmp_path, monkeypatch
     from bench import forward, sweep
 
     traced = []
-    real = segmented.chunk_segmented
-    monkeypatch.setattr(segmented, "chunk_segmented",
-                        lambda *a, **kw: traced.append(kw["plan"]) or real(*a, **kw))
+    real = state_chain.chain_tables
+
+    def spy(*a, **kw):
+        tables = real(*a, **kw)
+        traced.append(tables)
+        return tables
+
+    monkeypatch.setattr(state_chain, "chain_tables", spy)
     monkeypatch.setattr(forward, "time_jax", lambda fn, *a: float(
         np.asarray(jax.block_until_ready(fn(*a))).size > 0))
     out = tmp_path / "f.json"
@@ -278,5 +369,6 @@ def test_bench_forward_times_segmented_against_unsegmented(tmp_path, monkeypatch
     rows = json.loads(out.read_text())
     assert [r["implementation"] for r in rows] == ["kda_jax-triton-noseg", "kda_jax-triton-seq"]
     assert all(r["ms"] for r in rows), rows
-    assert [p.num_segments for p in traced] == [3]  # 130 tokens at chunk 64: 64, 64, 2
+    # One pass (no tables), then 130 tokens at chunk 64 as segments of 64, 64, 2.
+    assert [None if t is None else t.plan.num_segments for t in traced] == [None, 3]
     assert sweep.implementation("xla")[0] == "xla"

@@ -37,9 +37,13 @@ from kda_jax.triton.launch import KernelLaunch, dot_code, launch_kernel, stand_i
 
 __all__ = ["chain_tables", "chain_launches", "segment_maps", "fold_states", "ChainLaunches"]
 
-# The fold's tiles: [K, FOLD_BV] states, [K, FOLD_BJ] slices of M.
+# The fold's tiles: [K, FOLD_BV] states, [K, FOLD_BJ] slices of M, and its
+# warps. Slices of 16: with 32, tf32x3 products at K = 128 took 255 registers
+# on sm90 and spilled at 4 warps, and bf16x3 ones spilled on gfx942 at 8
+# (kda_jax.aot).
 FOLD_BV = 32
-FOLD_BJ = 32
+FOLD_BJ = 16
+FOLD_WARPS = 4
 
 
 def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int, kd: int,
@@ -89,9 +93,10 @@ def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, fp32_dot:
                 BJ=min(bk, FOLD_BJ), DOT=dot_code(fp32_dot))
     return ChainLaunches(
         map_,
-        KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_h0, REVERSE=False), 4, 1),
+        KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_h0, REVERSE=False),
+                     FOLD_WARPS, 1),
         KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_final_grad, REVERSE=True),
-                     4, 1))
+                     FOLD_WARPS, 1))
 
 
 def segment_meta(tables: SegmentTables) -> dict:
