@@ -213,8 +213,8 @@ def _segment_launch_for(kernel: str, target: str, spec: Spec):
     if state.constexprs["SPLIT_K"] or state.constexprs["BK"] > 128:
         return None
     has_h0 = spec.flags == "all"
-    chain = chain_launches(state, segment_config(target), fp32_dot=config.fp32_dot,
-                           use_h0=has_h0, use_final_grad=has_h0)
+    chain = chain_launches(state, segment_config(target), use_h0=has_h0,
+                           use_final_grad=has_h0)
     launch = {"kda_segment_map_kernel": chain.map, "kda_segment_map_bwd": chain.map,
               "kda_segment_fold_kernel": chain.fold, "kda_segment_fold_bwd": chain.fold,
               "kda_segment_fold_reverse": chain.fold_reverse}[kernel]

@@ -615,6 +615,8 @@ class SegmentConfig:
       fewer programs than the forward); 0: the backward never segments.
     map_block_v / map_warps: the map kernel's column block and warps
       (kernels/segments.py; None: the state pass's V block and warps).
+    fold_dot: the fold kernel's product precision (float32 states and maps;
+      'ieee', 'tf32x3', 'bf16x3' or 'bf16x6'), forward and backward alike.
     """
 
     min_programs: int = 0
@@ -625,8 +627,12 @@ class SegmentConfig:
     backward_min_programs: int = 0
     map_block_v: int | None = None
     map_warps: int | None = None
+    fold_dot: str = "ieee"
 
     def __post_init__(self):
+        if self.fold_dot not in ("ieee", "tf32x3", "bf16x3", "bf16x6"):
+            raise ValueError(f"fold_dot={self.fold_dot!r} must be 'ieee', 'tf32x3', 'bf16x3' "
+                             "or 'bf16x6' (the fold carries float32 states)")
         for name, allowed in (("map_block_v", (16, 32, 64, 128)), ("map_warps", (1, 2, 4, 8))):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value not in allowed):
@@ -656,13 +662,16 @@ class SegmentConfig:
 # gained at 16 programs and lost at 32 and 48. The AMD targets and other GPUs:
 # off until measured there (force it with override_segments; the kernels
 # compile for every target, kda_jax.aot).
+# The fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5
+# relative, as the float32 state passes' products there, ForwardConfig.fp32_dot),
+# ieee elsewhere.
 _SEGMENT_RULE = dict(min_programs=128, target_programs=512, min_segment_chunks=128,
                      backward_min_programs=32)
 SEGMENTS = {
-    "sm90": SegmentConfig(**_SEGMENT_RULE),
-    "gfx950": SegmentConfig(),
-    "gfx942": SegmentConfig(),
-    "gfx1250": SegmentConfig(),
+    "sm90": SegmentConfig(**_SEGMENT_RULE, fold_dot="bf16x3"),
+    "gfx950": SegmentConfig(fold_dot="bf16x3"),
+    "gfx942": SegmentConfig(fold_dot="bf16x3"),
+    "gfx1250": SegmentConfig(fold_dot="bf16x3"),
     "default": SegmentConfig(),
 }
 

@@ -1,4 +1,6 @@
-"""Long sequences as segments whose state chains run in parallel (docs/kda.md section 7).
+"""The segment maps composed around any backend (docs/kda.md section 7): the
+XLA path's segmented schedule and the algebra of context parallelism. (The
+Triton path segments its state passes itself: kda_jax.triton.state_chain.)
 
 KDA is linear in (v, the initial state) jointly for fixed q, k, g and beta.
 A stretch of a sequence run with values ``[v | 0_K]`` from the state

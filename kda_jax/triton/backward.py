@@ -210,8 +210,8 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
             split_k=L["kda_bwd_state_kernel"].constexprs["SPLIT_K"], backward=True)
     if tables is not None:
         state, dstate = _segmented_state_passes(
-            r, tables, segments, initial_state, dht, do, h=h, hv=hv, kd=kd, vd=vd, n_chunks=n_chunks,
-            tokens=tokens, opts=opts, config=config, work=work)
+            r, tables, segments, initial_state, dht, do, h=h, hv=hv, kd=kd, vd=vd,
+            n_chunks=n_chunks, tokens=tokens, opts=opts, config=config, work=work)
     else:
         state = run(
             "kda_bwd_state_kernel", (n, hv, n_v),
@@ -269,8 +269,8 @@ def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, h
     state_l, dstate_l = L["kda_bwd_state_kernel"], L["kda_bwd_dstate_kernel"]
     own_l = dataclasses.replace(dstate_l, constexprs=dict(
         dstate_l.constexprs, USE_FINAL_GRAD=False, STORE_CHUNKS=False))
-    chain = state_chain.chain_launches(state_l, segments, fp32_dot=config.fp32_dot,
-                                       use_h0=h0 is not None, use_final_grad=ht_bar is not None)
+    chain = state_chain.chain_launches(state_l, segments, use_h0=h0 is not None,
+                                       use_final_grad=ht_bar is not None)
     e, m = state_chain.segment_maps(chain, tables, r["w"], r["u"], r["kt"], r["gl"],
                                     n_tokens=tokens, n_chunk_rows=n_chunks)
     starts = state_chain.fold_states(chain.fold, tables, e, m, h0)

@@ -217,8 +217,7 @@ def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h,
     _, state = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
                                 work=work, has_a_log=False, has_dt_bias=False,
                                 has_initial_state=True)
-    chain = state_chain.chain_launches(state, segments, fp32_dot=config.fp32_dot,
-                                       use_h0=initial_state is not None)
+    chain = state_chain.chain_launches(state, segments, use_h0=initial_state is not None)
     e, m = state_chain.segment_maps(chain, tables, p["w"], p["u"], p["kt"], p["gl"],
                                     n_tokens=tokens, n_chunk_rows=n_chunk_rows)
     h0 = None

@@ -26,6 +26,8 @@ unsegmented).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +37,8 @@ from kda_jax.bounds import SeqBounds, next_pow2
 from kda_jax.segments import SegmentTables, segment_chunks, segment_plan, segment_tables
 from kda_jax.triton.launch import KernelLaunch, dot_code, launch_kernel, stand_in
 
-__all__ = ["chain_tables", "chain_launches", "segment_maps", "fold_states", "ChainLaunches"]
+__all__ = ["ChainLaunches", "chain_tables", "chain_launches", "segment_meta", "segment_maps",
+           "fold_states", "per_sequence"]
 
 # The fold's tiles: [K, FOLD_BV] states, [K, FOLD_BJ] slices of M, and its
 # warps. Slices of 16: with 32, tf32x3 products at K = 128 took 255 registers
@@ -58,29 +61,30 @@ def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int
         return None
     per = segment_chunks(
         bounds, chunk_size, hv=hv, programs_per_seq_head=-(-vd // block_v),
-        min_programs=cfg.backward_min_programs if backward else cfg.min_programs, target_programs=cfg.target_programs,
-        min_segment_chunks=cfg.min_segment_chunks, forced_segment_chunks=cfg.segment_chunks)
+        min_programs=cfg.backward_min_programs if backward else cfg.min_programs,
+        target_programs=cfg.target_programs, min_segment_chunks=cfg.min_segment_chunks,
+        forced_segment_chunks=cfg.segment_chunks)
     if per is None:
         return None
     return segment_tables(segment_plan(bounds, chunk_size, per), chunk_size)
 
 
-class ChainLaunches:
-    """The map and fold launches of one call (constexprs derived here once;
-    the AOT compiles them from :func:`chain_launches`)."""
+class ChainLaunches(NamedTuple):
+    """The map and fold launches of one call (constexprs derived once, in
+    :func:`chain_launches`, which the AOT compiles from too)."""
 
-    def __init__(self, map_: KernelLaunch, fold: KernelLaunch, fold_reverse: KernelLaunch):
-        self.map, self.fold, self.fold_reverse = map_, fold, fold_reverse
+    map: KernelLaunch
+    fold: KernelLaunch
+    fold_reverse: KernelLaunch
 
 
-def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, fp32_dot: str,
-                   use_h0: bool, use_final_grad: bool = False) -> ChainLaunches:
+def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, use_h0: bool,
+                   use_final_grad: bool = False) -> ChainLaunches:
     """Launches for a call whose state pass is ``state`` (the map kernel is
     that pass without its outputs: its V block, product precision, warps and
     stages, unless ``cfg`` sets them) and the fold's float32 products at
-    ``fp32_dot``. ``use_h0``: the
-    forward fold starts from initial states; ``use_final_grad``: the reverse
-    fold from final-state cotangents."""
+    ``cfg.fold_dot``. ``use_h0``: the forward fold starts from initial
+    states; ``use_final_grad``: the reverse fold from final-state cotangents."""
     c = state.constexprs
     hv, kd, vd, chunk_size = c["HV"], c["K"], c["V"], c["BT"]
     bk = next_pow2(max(kd, 16))
@@ -90,7 +94,7 @@ def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, fp32_dot:
         DOT=c["DOT"]), state.num_warps if cfg.map_warps is None else cfg.map_warps,
         state.num_stages)
     fold = dict(HV=hv, K=kd, V=vd, BK=bk, BV=min(next_pow2(max(vd, 16)), FOLD_BV),
-                BJ=min(bk, FOLD_BJ), DOT=dot_code(fp32_dot))
+                BJ=min(bk, FOLD_BJ), DOT=dot_code(cfg.fold_dot))
     return ChainLaunches(
         map_,
         KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_h0, REVERSE=False),
