@@ -261,7 +261,7 @@ def test_triton_chain_runs_maps_and_folds(monkeypatch):
 @pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
 def test_triton_chain_gva_transforms_state_v_first(check_close, check_rel_rms):
     """The Triton state chain on dense rows (B = 2), GVA (HV = 2 H), V-first
-    states and every in-kernel transform, from no initial state, with a
+    states and every in-kernel transform, from an initial state, with a
     final state's cotangent: outputs and gradients against the reference."""
     x = make_inputs(3, B=2, T=100, H=1, HV=2, K=16, V=16, state_v_first=True, raw_gate=True,
                     normalized_k=False, beta_logits=True)
@@ -271,19 +271,20 @@ def test_triton_chain_gva_transforms_state_v_first(check_close, check_rel_rms):
     w_o = np.random.default_rng(5).standard_normal((2, 100, 2, 16)).astype(np.float32)
     w_f = np.random.default_rng(6).standard_normal((2, 2, 16, 16)).astype(np.float32)
 
-    def loss(fn, q, k, v, g, beta, A_log, dt_bias):
-        o, f = fn(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **kw)
+    def loss(fn, q, k, v, g, beta, A_log, dt_bias, h0):
+        o, f = fn(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, **kw)
         return jnp.sum(o * w_o) + jnp.sum(f * w_f), (o, f)
 
-    args = [np.asarray(a, np.float32) for a in (*x.args(), x.A_log, x.dt_bias)]
+    args = [np.asarray(a, np.float32)
+            for a in (*x.args(), x.A_log, x.dt_bias, x.initial_state)]
     chunked = functools.partial(kda_jax.chunk_kda, chunk_size=32, implementation="triton")
-    grad = jax.grad(loss, argnums=tuple(range(1, 8)), has_aux=True)
+    grad = jax.grad(loss, argnums=tuple(range(1, 9)), has_aux=True)
     with configs.override_segments(FORCED):
         g, (o, f) = jax.jit(functools.partial(grad, chunked))(*args)
     rg, (ro, rf) = jax.jit(functools.partial(grad, kda_jax.naive_recurrent_kda))(*args)
     check_close(o, ro, "float32", "o")
     check_close(f, rf, "float32", "final_state")
-    for name, got, want in zip(NAMES[:5] + ("A_log", "dt_bias"), g, rg):
+    for name, got, want in zip(NAMES[:5] + ("A_log", "dt_bias", "initial_state"), g, rg):
         check_rel_rms(got, want, 1e-4, f"d{name}")
 
 
