@@ -64,13 +64,17 @@ BWD_KERNELS = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kern
                "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
 # The decode kernel (kda_jax.kernels.fused_recurrent), at recurrent_constexprs'.
 DECODE_KERNELS = ("kda_fused_recurrent_kernel",)
-# The segmented state chain (kda_jax.kernels.segments) at the launches
-# kda_jax.triton.state_chain.chain_launches derives from the forward's state
-# pass (map, fold) and the backward's (map_bwd, fold_bwd, fold_reverse); only
-# at the specs whose state pass holds the state whole (the others never
-# segment).
+# The segmented state chain at the launches kda_jax.triton.forward.segmented_launches
+# and kda_jax.triton.backward.segmented_backward_launches give: the chain's
+# kernels (kda_jax.kernels.segments; map, fold from the forward's state pass,
+# map_bwd, fold_bwd, fold_reverse from the backward's) and the state passes
+# as they run over segments (K-first states from start states; the reverse
+# pass from zero storing only start cotangents, "own"); only at the specs
+# whose state pass holds the state whole (the others never segment).
 SEGMENT_KERNELS = ("kda_segment_map_kernel", "kda_segment_fold_kernel", "kda_segment_map_bwd",
-                   "kda_segment_fold_bwd", "kda_segment_fold_reverse")
+                   "kda_segment_fold_bwd", "kda_segment_fold_reverse",
+                   "kda_fwd_state_output_seg", "kda_bwd_state_seg", "kda_bwd_dstate_seg",
+                   "kda_bwd_dstate_own")
 ALL_KERNELS = KERNELS + DECODE_KERNELS + BWD_KERNELS + SEGMENT_KERNELS
 
 # target name -> (backend, arch, warp size); the name keys configs.FORWARD.
@@ -148,7 +152,11 @@ def _spec_options(spec: Spec):
 _FUNCTION = {"kda_bwd_recompute": "kda_fwd_prepare_kernel",
              "kda_segment_map_bwd": "kda_segment_map_kernel",
              "kda_segment_fold_bwd": "kda_segment_fold_kernel",
-             "kda_segment_fold_reverse": "kda_segment_fold_kernel"}
+             "kda_segment_fold_reverse": "kda_segment_fold_kernel",
+             "kda_fwd_state_output_seg": "kda_fwd_state_output_kernel",
+             "kda_bwd_state_seg": "kda_bwd_state_kernel",
+             "kda_bwd_dstate_seg": "kda_bwd_dstate_kernel",
+             "kda_bwd_dstate_own": "kda_bwd_dstate_kernel"}
 
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -199,32 +207,57 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
 
 
 def _segment_launch_for(kernel: str, target: str, spec: Spec):
-    """_launch_for of a segmented-chain kernel, or None where the spec's
+    """_launch_for of a segmented-chain launch, or None where the spec's
     state pass splits K (that call never segments)."""
-    from kda_jax.configs import segment_config
-    from kda_jax.triton.state_chain import chain_launches
+    import jax.numpy as jnp
 
-    backward = kernel in ("kda_segment_map_bwd", "kda_segment_fold_bwd",
-                          "kda_segment_fold_reverse")
-    if backward:
-        state, config, work = _bwd_launch_for("kda_bwd_state_kernel", target, spec)
+    from kda_jax.configs import backward_config, forward_config, segment_config
+    from kda_jax.triton.backward import backward_work_dtype, segmented_backward_launches
+    from kda_jax.triton.forward import segmented_launches, work_dtype
+
+    opts, _, _, has_h0 = _spec_options(spec)
+    in_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype]
+    shape = dict(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
+                 segments=segment_config(target), has_initial_state=has_h0)
+    if kernel in ("kda_segment_map_kernel", "kda_segment_fold_kernel",
+                  "kda_fwd_state_output_seg"):
+        config = forward_config(target, spec.chunk)
+        work = work_dtype(in_dtype)
+        state, chain = segmented_launches(config=config, work=work, **shape)
+        launch = {"kda_segment_map_kernel": chain.map, "kda_segment_fold_kernel": chain.fold,
+                  "kda_fwd_state_output_seg": state}[kernel]
     else:
-        state, config, work = _launch_for("kda_fwd_state_output_kernel", target, spec)
+        config = backward_config(target, spec.chunk)
+        work = backward_work_dtype(in_dtype, opts, config, spec.K)
+        L = segmented_backward_launches(config=config, work=work, has_final_grad=has_h0,
+                                        **shape)
+        state = L["state"]
+        launch = {"kda_segment_map_bwd": L["chain"].map,
+                  "kda_segment_fold_bwd": L["chain"].fold,
+                  "kda_segment_fold_reverse": L["chain"].fold_reverse,
+                  "kda_bwd_state_seg": state, "kda_bwd_dstate_seg": L["dstate"],
+                  "kda_bwd_dstate_own": L["own"]}[kernel]
     if state.constexprs["SPLIT_K"] or state.constexprs["BK"] > 128:
         return None
-    has_h0 = spec.flags == "all"
-    chain = chain_launches(state, segment_config(target), use_h0=has_h0,
-                           use_final_grad=has_h0)
-    launch = {"kda_segment_map_kernel": chain.map, "kda_segment_map_bwd": chain.map,
-              "kda_segment_fold_kernel": chain.fold, "kda_segment_fold_bwd": chain.fold,
-              "kda_segment_fold_reverse": chain.fold_reverse}[kernel]
-    return launch, config, work
+    return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
+
+
+# The state passes' segment launches differ from their one-pass launches in
+# the state I/O flags only: compiled at chunk 64 (a CI-time budget), the
+# chain's own kernels at every spec.
+_SEGMENT_STATE_PASSES = ("kda_fwd_state_output_seg", "kda_bwd_state_seg", "kda_bwd_dstate_seg",
+                         "kda_bwd_dstate_own")
 
 
 def applies(kernel: str, target: str, spec: Spec) -> bool:
-    """Whether a call at ``spec`` launches ``kernel`` (the segmented chain's
-    kernels only where its state pass holds the state whole)."""
-    return kernel not in SEGMENT_KERNELS or _segment_launch_for(kernel, target, spec) is not None
+    """Whether ``kernel`` has a row at ``spec``: the segmented chain's launches
+    only where its state pass holds the state whole (and its state passes at
+    chunk 64)."""
+    if kernel not in SEGMENT_KERNELS:
+        return True
+    if kernel in _SEGMENT_STATE_PASSES and spec.chunk != 64:
+        return False
+    return _segment_launch_for(kernel, target, spec) is not None
 
 
 def _launch_for(kernel: str, target: str, spec: Spec):
@@ -419,7 +452,8 @@ def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
             "set when the kernels were imported; compile through kda_jax.aot.run, whose "
             "worker processes drop it")
     # The backward casts its inputs to float32 with float32 intermediates.
-    in_dtype = "fp32" if kernel in BWD_KERNELS and work == "fp32" else spec.dtype
+    backward = kernel in BWD_KERNELS or kernel.startswith("kda_bwd_")
+    in_dtype = "fp32" if backward and work == "fp32" else spec.dtype
     signature, attrs = _signature(fn, name, in_dtype, work, launch.constexprs)
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
                    enable_fp_fusion=True, debug=False)  # as jax-triton compiles
@@ -593,7 +627,9 @@ _SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "s
           "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra",
           "kda_segment_map_kernel": "seg_map", "kda_segment_fold_kernel": "seg_fold",
           "kda_segment_map_bwd": "seg_map_bwd", "kda_segment_fold_bwd": "seg_fold_bwd",
-          "kda_segment_fold_reverse": "seg_fold_rev"}
+          "kda_segment_fold_reverse": "seg_fold_rev",
+          "kda_fwd_state_output_seg": "seg_state_output", "kda_bwd_state_seg": "seg_bwd_state",
+          "kda_bwd_dstate_seg": "seg_bwd_dstate", "kda_bwd_dstate_own": "seg_bwd_dstate_own"}
 
 
 def _fmt(v):

@@ -43,7 +43,7 @@ from kda_jax.triton.partitioning import (CALL, GRAD_CALL, GRADS, PARAMS, partiti
                                          unpartitioned_under_vmap)
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "backward_work_dtype", "core_backward",
-           "recompute_launch"]
+           "recompute_launch", "segmented_backward_launches"]
 
 
 def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -250,6 +250,26 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
 
 
+def segmented_backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
+                                config: BackwardConfig, work, segments: configs.SegmentConfig,
+                                has_initial_state: bool, has_final_grad: bool) -> dict:
+    """The backward's launches over segments, by role: ``state`` (the state
+    pass from each segment's start state), ``own`` (the reverse pass from
+    zero storing only each segment's start cotangent), ``dstate`` (the
+    reverse pass from each segment's end cotangent), ``chain`` (map and
+    folds, :mod:`kda_jax.triton.state_chain`). States K-first. The glue
+    launches with them and :mod:`kda_jax.aot` compiles them."""
+    seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
+    L = backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
+                          has_initial_state=True, has_final_grad=True, work=work)
+    state, dstate = L["kda_bwd_state_kernel"], L["kda_bwd_dstate_kernel"]
+    own = dataclasses.replace(dstate, constexprs=dict(
+        dstate.constexprs, USE_FINAL_GRAD=False, STORE_CHUNKS=False))
+    chain = state_chain.chain_launches(state, segments, use_h0=has_initial_state,
+                                       use_final_grad=has_final_grad)
+    return dict(state=state, own=own, dstate=dstate, chain=chain)
+
+
 def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, hv, kd, vd, n_chunks,
                             tokens, opts, config, work):
     """The backward's two state passes over segments (kda_jax.triton.state_chain):
@@ -263,14 +283,10 @@ def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, h
     k_first = lambda x: None if x is None else (
         jnp.swapaxes(x.astype(f32), -1, -2) if opts.state_v_first else x.astype(f32))
     h0, ht_bar = k_first(initial_state), k_first(dht)
-    seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
-    L = backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
-                          has_initial_state=True, has_final_grad=True, work=work)
-    state_l, dstate_l = L["kda_bwd_state_kernel"], L["kda_bwd_dstate_kernel"]
-    own_l = dataclasses.replace(dstate_l, constexprs=dict(
-        dstate_l.constexprs, USE_FINAL_GRAD=False, STORE_CHUNKS=False))
-    chain = state_chain.chain_launches(state_l, segments, use_h0=h0 is not None,
-                                       use_final_grad=ht_bar is not None)
+    L = segmented_backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
+                                    work=work, segments=segments, has_initial_state=h0 is not None,
+                                    has_final_grad=ht_bar is not None)
+    state_l, own_l, dstate_l, chain = L["state"], L["own"], L["dstate"], L["chain"]
     e, m = state_chain.segment_maps(chain, tables, r["w"], r["u"], r["kt"], r["gl"],
                                     n_tokens=tokens, n_chunk_rows=n_chunks)
     starts = state_chain.fold_states(chain.fold, tables, e, m, h0)

@@ -29,8 +29,8 @@ from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton import state_chain
 from kda_jax.triton.state_args import kernel_states
 
-__all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches", "split_state_k",
-           "work_dtype"]
+__all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches",
+           "segmented_launches", "split_state_k", "work_dtype"]
 
 
 def work_dtype(input_dtype, *, interpret: bool = False):
@@ -206,6 +206,20 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     return o, (ht if opts.output_final_state else None)
 
 
+def segmented_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
+                       config: ForwardConfig, work, segments: SegmentConfig,
+                       has_initial_state: bool) -> tuple[KernelLaunch, state_chain.ChainLaunches]:
+    """The forward's launches over segments: the state-output kernel (states
+    K-first, every segment from a start state) and the chain's map and fold
+    (:mod:`kda_jax.triton.state_chain`). The glue launches with them and
+    :mod:`kda_jax.aot` compiles them."""
+    seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
+    _, state = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
+                                work=work, has_a_log=False, has_dt_bias=False,
+                                has_initial_state=True)
+    return state, state_chain.chain_launches(state, segments, use_h0=has_initial_state)
+
+
 def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h, hv, kd, vd, b,
                             t, opts, config, work, n_chunk_rows):
     """The state pass over segments (:mod:`kda_jax.triton.state_chain`): maps,
@@ -213,11 +227,9 @@ def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h,
     ``p``: the prepare kernel's outputs. Same result as the one pass."""
     tokens = b * t
     f32 = jnp.float32
-    seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
-    _, state = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
-                                work=work, has_a_log=False, has_dt_bias=False,
-                                has_initial_state=True)
-    chain = state_chain.chain_launches(state, segments, use_h0=initial_state is not None)
+    state, chain = segmented_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
+                                      work=work, segments=segments,
+                                      has_initial_state=initial_state is not None)
     e, m = state_chain.segment_maps(chain, tables, p["w"], p["u"], p["kt"], p["gl"],
                                     n_tokens=tokens, n_chunk_rows=n_chunk_rows)
     h0 = None
