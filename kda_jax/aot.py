@@ -229,8 +229,8 @@ def _segment_launch_for(kernel: str, target: str, spec: Spec):
     else:
         config = backward_config(target, spec.chunk)
         work = backward_work_dtype(in_dtype, opts, config, spec.K)
-        L = segmented_backward_launches(config=config, work=work, has_final_grad=has_h0,
-                                        **shape)
+        L = segmented_backward_launches(config=config, work=work,
+                                        has_final_grad=opts.output_final_state, **shape)
         state = L["state"]
         launch = {"kda_segment_map_bwd": L["chain"].map,
                   "kda_segment_fold_bwd": L["chain"].fold,

@@ -588,7 +588,8 @@ def override_backward(config: BackwardConfig):
 
 
 # --------------------------------------------------------------------------- #
-# The segmented schedule of chunk_kda (kda_jax.segments, kda_jax.segmented).
+# The segmented schedule of chunk_kda (kda_jax.segments; the Triton path's
+# kda_jax.triton.state_chain, the XLA path's kda_jax.segmented).
 # --------------------------------------------------------------------------- #
 
 __all__ += ["SegmentConfig", "SEGMENTS", "segment_config", "override_segments"]
@@ -596,23 +597,28 @@ __all__ += ["SegmentConfig", "SEGMENTS", "segment_config", "override_segments"]
 
 @dataclasses.dataclass(frozen=True)
 class SegmentConfig:
-    """When chunk_kda's Triton path cuts long sequences into segments whose
-    chunk-state chains run in parallel (docs/kda.md section 7; the rule is
+    """When chunk_kda cuts long sequences into segments whose chunk-state
+    chains run in parallel (docs/kda.md section 7; the rule is
     :func:`kda_jax.segments.segment_chunks`).
 
-    min_programs: segment when the state pass has fewer programs than this
-      (sequences x value heads x V blocks of the state kernel); 0: never.
-    target_programs: the segments aim at this many programs (counted at the
-      call's V blocks; the segmented pass runs V + K columns, so more).
-    min_segment_chunks: no segment shorter than this many chunks (each
-      segment adds a [K, K] transition and a step of the fold).
-    segment_chunks: chunks per segment, skipping the rule (None: the rule);
-      a call whose sequences all fit in one segment still runs unsegmented.
-    xla: apply the same rule to the XLA path (its state pass is a scan over
-      the longest segment's chunks instead of the longest sequence's).
+    min_programs: the forward segments when its state pass has fewer
+      programs than this (non-empty sequences x value heads x V blocks of
+      the state kernel); 0: never (unless segment_chunks forces it).
     backward_min_programs: the backward's threshold in place of
-      min_programs (its segmented reverse pass runs twice, so it pays off at
-      fewer programs than the forward); 0: the backward never segments.
+      min_programs (its reverse pass runs twice over the segments, so it
+      pays off at fewer programs); 0: never (unless forced).
+    target_programs: the segments aim at no more than this many programs
+      (counted at the state pass's V blocks).
+    min_segment_chunks: no segment shorter than this many chunks (each
+      segment adds a [K, K] transition and a step of the fold); segments run
+      from this length to just under twice it.
+    min_segments: segment only when some sequence makes at least this many
+      segments (>= 2; two halves save little: the map and the state pass each
+      walk half the chunks).
+    segment_chunks: the segment length, skipping the thresholds (None: the
+      rule); a call whose sequences all stay whole still runs unsegmented.
+    xla: apply the rule on the XLA path too (its state pass is a scan over
+      the longest segment's chunks instead of the longest sequence's).
     map_block_v / map_warps: the map kernel's column block and warps
       (kernels/segments.py; None: the state pass's V block and warps).
     fold_dot: the fold kernel's product precision (float32 states and maps;
@@ -622,6 +628,7 @@ class SegmentConfig:
     min_programs: int = 0
     target_programs: int = 1024
     min_segment_chunks: int = 8
+    min_segments: int = 2
     segment_chunks: int | None = None
     xla: bool = False
     backward_min_programs: int = 0
@@ -638,12 +645,15 @@ class SegmentConfig:
             if value is not None and (isinstance(value, bool) or value not in allowed):
                 raise ValueError(f"{name}={value!r} must be None or one of {allowed}")
         for name in ("min_programs", "target_programs", "min_segment_chunks",
-                     "backward_min_programs"):
+                     "backward_min_programs", "min_segments"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
         if self.min_segment_chunks < 1:
             raise ValueError(f"min_segment_chunks={self.min_segment_chunks} must be >= 1")
+        if self.min_segments < 2:
+            raise ValueError(f"min_segments={self.min_segments} must be >= 2 (one segment is "
+                             "the one pass)")
         if self.segment_chunks is not None and (
                 isinstance(self.segment_chunks, bool) or not isinstance(self.segment_chunks, int)
                 or self.segment_chunks < 1):
@@ -654,19 +664,20 @@ class SegmentConfig:
 
 
 # sm90: the forward segments when its state pass has fewer than 128 programs
-# (the H200 has 132 SMs), into segments of 128 chunks (at least; the target of
-# 512 programs asks for shorter ones on every row measured), the backward below
-# 32 programs. On the H200 (docs/tuning.md, "Segmented state chain") 128-chunk
-# segments beat 32 and 64 in the forward on every low-head row, a row of 128
-# programs gains nothing, and the backward, whose reverse pass runs twice,
-# gained at 16 programs and lost at 32 and 48. The AMD targets and other GPUs:
-# off until measured there (force it with override_segments; the kernels
-# compile for every target, kda_jax.aot).
-# The fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5
-# relative, as the float32 state passes' products there, ForwardConfig.fp32_dot),
-# ieee elsewhere.
+# (the H200 has 132 SMs) and a sequence makes 4 segments of 128 chunks or more
+# (each 128-255 chunks), the backward below 32 programs. On the H200
+# (docs/tuning.md, "Segmented state chain") 128-chunk segments beat 32 and 64
+# in the forward on every low-head row (4 to 16 segments per sequence), a row
+# of 128 programs gains nothing, and the backward, whose reverse pass runs
+# twice, gained at 16 programs and lost at 32 and 48. Two or three segments
+# are not measured: the chain's critical path (the map's and the state pass's
+# walks, 2/n of the chunks each, plus the fold) leaves them little to gain.
+# The AMD targets and other GPUs: off until measured there (force it with
+# override_segments; the kernels compile for every target, kda_jax.aot). The
+# fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5 relative, as
+# their float32 state passes' products, ForwardConfig.fp32_dot), ieee elsewhere.
 _SEGMENT_RULE = dict(min_programs=128, target_programs=512, min_segment_chunks=128,
-                     backward_min_programs=32)
+                     min_segments=4, backward_min_programs=32)
 SEGMENTS = {
     "sm90": SegmentConfig(**_SEGMENT_RULE, fold_dot="bf16x3"),
     "gfx950": SegmentConfig(fold_dot="bf16x3"),

@@ -112,7 +112,8 @@ def plan_call(backend: str, bounds, pool, opts: KdaOptions, hv: int) -> SegmentP
     per = segment_chunks(
         bounds, opts.chunk_size, hv=hv, programs_per_seq_head=1,
         min_programs=cfg.min_programs, target_programs=cfg.target_programs,
-        min_segment_chunks=cfg.min_segment_chunks, forced_segment_chunks=cfg.segment_chunks)
+        min_segment_chunks=cfg.min_segment_chunks, min_segments=cfg.min_segments,
+        forced_segment_chunks=cfg.segment_chunks)
     return None if per is None else segment_plan(bounds, opts.chunk_size, per)
 
 

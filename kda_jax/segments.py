@@ -24,7 +24,7 @@ import functools
 
 import numpy as np
 
-from kda_jax.bounds import SeqBounds, chunk_offsets, pack_int32_tables
+from kda_jax.bounds import PackedTables, SeqBounds, chunk_offsets, pack_int32_tables
 
 __all__ = ["SegmentPlan", "segment_plan", "SegmentTables", "segment_tables", "segment_chunks",
            "DevicePieces", "context_plan"]
@@ -84,13 +84,14 @@ class SegmentPlan:
 
 
 def _cut(length: int, chunk_size: int, per_segment: int) -> list[int]:
-    """Lengths of the segments of one sequence: whole chunks, at most
-    ``per_segment`` chunks each, as equal as whole chunks allow (the last
-    segment takes the partial chunk)."""
+    """Lengths of the segments of one sequence: ``chunks // per_segment``
+    pieces of whole chunks, as equal as whole chunks allow (the last takes
+    the partial chunk): each at least ``per_segment`` chunks and under twice
+    that. A sequence of fewer than ``2 * per_segment`` chunks stays whole."""
     chunks = -(-length // chunk_size)
-    if chunks <= per_segment:
+    pieces = chunks // per_segment
+    if pieces < 2:
         return [length] if length else []
-    pieces = -(-chunks // per_segment)
     base, extra = divmod(chunks, pieces)
     sizes = [(base + (i < extra)) * chunk_size for i in range(pieces)]
     sizes[-1] = length - sum(sizes[:-1])
@@ -99,10 +100,10 @@ def _cut(length: int, chunk_size: int, per_segment: int) -> list[int]:
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def segment_plan(bounds: SeqBounds, chunk_size: int, per_segment: int) -> SegmentPlan:
-    """Cuts every sequence of more than ``per_segment`` chunks (of
-    ``chunk_size`` tokens) into segments of whole chunks (at most
-    ``per_segment`` each, near equal). A plan with no sequence cut is valid
-    (a single pass, no fold)."""
+    """Cuts every sequence of at least ``2 * per_segment`` chunks (of
+    ``chunk_size`` tokens) into near-equal segments of whole chunks, each at
+    least ``per_segment`` chunks and under twice that. A plan with no
+    sequence cut is valid (a single pass, no fold)."""
     if per_segment < 1:
         raise ValueError(f"per_segment={per_segment} must be >= 1 (chunks per segment)")
     lengths = bounds.lengths
@@ -162,16 +163,17 @@ class SegmentTables:
       packed: one int32 buffer (:class:`kda_jax.bounds.PackedTables`):
         ``cu_seqlens`` and ``chunk_offsets`` of the segments (their chunks are
         the rows the unsegmented call numbers, in the same order) and
-        ``lanes`` ``[L, 3]``: per sequence with segments, (its first segment,
-        its segment count, the sequence).
-      num_lanes: L.
+        ``chains`` ``[C, 3]``: per sequence with segments (a chain of one
+        segment or more), (its first segment, its segment count, the
+        sequence).
+      num_chains: C.
       first_segment, last_segment: int64 ``[N]``: each sequence's first and
         last segment, -1 for an empty sequence.
     """
 
     plan: SegmentPlan
-    packed: object
-    num_lanes: int
+    packed: PackedTables
+    num_chains: int
     first_segment: np.ndarray
     last_segment: np.ndarray
 
@@ -182,35 +184,39 @@ def segment_tables(plan: SegmentPlan, chunk_size: int) -> SegmentTables:
     ``chunk_size`` chunks)."""
     n = plan.bounds.num_seqs
     counts = np.bincount(plan.seq, minlength=n) if plan.seq.size else np.zeros(n, np.int64)
-    first = np.concatenate([[0], np.cumsum(counts)])[:-1]
+    seg0 = np.concatenate([[0], np.cumsum(counts)])[:-1]  # each sequence's first segment
     has = counts > 0
-    lanes = np.stack([first[has], counts[has], np.flatnonzero(has)], axis=1)
+    chains = np.stack([seg0[has], counts[has], np.flatnonzero(has)], axis=1)
     offsets = chunk_offsets(plan.segments, chunk_size)
     whole = chunk_offsets(plan.bounds, chunk_size)
-    if not np.array_equal(offsets[first[has]], whole[:-1][has]) or offsets[-1] != whole[-1]:
+    if not np.array_equal(offsets[seg0[has]], whole[:-1][has]) or offsets[-1] != whole[-1]:
         raise AssertionError("segments must cut sequences at whole chunks")  # by construction
     packed = pack_int32_tables({"cu_seqlens": plan.segments.cu_seqlens,
-                                "chunk_offsets": offsets, "lanes": lanes.reshape(-1, 3)})
-    first_segment = np.where(has, first, -1)
-    last_segment = np.where(has, first + counts - 1, -1)
+                                "chunk_offsets": offsets, "chains": chains})
+    first_segment = np.where(has, seg0, -1)
+    last_segment = np.where(has, seg0 + counts - 1, -1)
     _frozen(first_segment, last_segment)
-    return SegmentTables(plan=plan, packed=packed, num_lanes=int(has.sum()),
+    return SegmentTables(plan=plan, packed=packed, num_chains=int(has.sum()),
                          first_segment=first_segment, last_segment=last_segment)
 
 
 def segment_chunks(bounds: SeqBounds, chunk_size: int, *, hv: int, programs_per_seq_head: int,
                    min_programs: int, target_programs: int, min_segment_chunks: int,
-                   forced_segment_chunks: int | None = None) -> int | None:
-    """The rule: how many chunks per segment, or None for no segments.
+                   min_segments: int = 2, forced_segment_chunks: int | None = None
+                   ) -> int | None:
+    """The rule: the segment length in chunks (:func:`segment_plan`'s
+    ``per_segment``), or None for no segments.
 
     A call is under-filled when its state pass has fewer than ``min_programs``
     programs (non-empty sequences x ``hv`` x ``programs_per_seq_head``, the V
     blocks of the state kernel). Then sequences are cut so that the segments
-    give about ``target_programs`` programs: ``ceil(total chunks /
+    give at most about ``target_programs`` programs: ``ceil(total chunks /
     ceil(target_programs / (hv x programs_per_seq_head)))`` chunks per
     segment, but never fewer than ``min_segment_chunks`` (each segment adds a
-    fold step and a [K, K] transition). None when that cuts no sequence.
-    ``forced_segment_chunks`` skips the rule (tests, tuning).
+    fold step and a [K, K] transition). None unless some sequence then makes
+    ``min_segments`` segments or more (a sequence cut in two runs its map and
+    its state pass over half its chunks each: no shorter than one pass).
+    ``forced_segment_chunks`` skips the thresholds (tests, tuning).
     """
     if bounds.num_seqs == 0 or bounds.total_tokens == 0:
         return None
@@ -223,7 +229,9 @@ def segment_chunks(bounds: SeqBounds, chunk_size: int, *, hv: int, programs_per_
             return None
         wanted = -(-max(target_programs, 1) // (hv * programs_per_seq_head))
         per = max(min_segment_chunks, -(-int(counts.sum()) // wanted))
-    return per if int(counts.max()) > per else None
+    if forced_segment_chunks is not None:
+        min_segments = 2
+    return per if int(counts.max()) // per >= max(min_segments, 2) else None
 
 
 # --------------------------------------------------------------------------- #

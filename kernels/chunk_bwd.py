@@ -24,7 +24,9 @@ STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl, G and X^T. Then:
   kda_bwd_state_kernel    grid (sequences, HV, V blocks): h per chunk, v_new.
   kda_bwd_dstate_kernel   grid (sequences, HV, V blocks): walks chunks in
                           reverse: dS per chunk, dv_new, the initial state's
-                          gradient.
+                          gradient (only that without STORE_CHUNKS).
+  (Segmented, kda_jax.triton.state_chain: both state passes per segment, the
+  reverse one twice, and the segments' bounds as the sequences.)
   kda_bwd_inter_kernel    grid (chunks, HV, K blocks): the state terms dqg,
                           dw, dkt, dgl, turned into partial dq, dk, dG.
   kda_bwd_wy_kernel       grid (chunks, HV): everything that needs X: dv,

@@ -10,8 +10,11 @@ order (or in reverse, with M^T, for the state's cotangent) and writes the
 state each segment starts from (ends at). The state passes then run per
 segment from those states, all in parallel.
 
-Both kernels hold the state whole in K (16-bit intermediates; the glue does
-not segment a call whose state pass splits K, kda_jax.triton.forward.split_state_k).
+Both kernels hold the state whole in K: the glue segments only calls whose
+state pass does (K <= 128, and not split in K halves as float32
+intermediates are from K = 128 on, kda_jax.triton.forward.split_state_k).
+Their metadata is host-built (kda_jax.segments.segment_tables), never a
+runtime buffer: the fold's chain table is read unclamped.
 """
 
 import triton
@@ -75,14 +78,15 @@ def kda_segment_map_kernel(
 
 @triton.jit
 def kda_segment_fold_kernel(
-    e, m, h0, meta, off_lanes,
+    e, m, h0, meta, off_chains,
     s,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, BJ: tl.constexpr, USE_H0: tl.constexpr, REVERSE: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    """One program per (lane, value head, V block); a lane is a sequence with
-    segments, its row (first segment, count, sequence) of the lanes table.
+    """One program per (chain, value head, V block); a chain is a sequence
+    with segments, its row (first segment, count, sequence) of the chains
+    table.
 
     Forward: from the sequence's state h0[n] (zeros without USE_H0), writes
     s[j] = the state segment j starts from, then carries e[j] + m[j] s[j].
@@ -92,12 +96,14 @@ def kda_segment_fold_kernel(
     start cotangent from a zero end one).
 
     All [K, V] states float32, K-first. The product reads the state just
-    written back in BJ-row slices (global memory, after a barrier), so that
-    no [K, K] tile is held (K = 256 fits)."""
-    i_l, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s0 = tl.load(meta + off_lanes + 3 * i_l)
-    count = tl.load(meta + off_lanes + 3 * i_l + 1)
-    i_n = tl.load(meta + off_lanes + 3 * i_l + 2)
+    written back in BJ-row slices (global memory), so that no [K, K] tile is
+    held: each program reads back only the columns it wrote, after a
+    barrier of its own threads (tl.debug_barrier, a workgroup barrier that
+    orders global memory too on NVIDIA and AMD)."""
+    i_c, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s0 = tl.load(meta + off_chains + 3 * i_c)
+    count = tl.load(meta + off_chains + 3 * i_c + 1)
+    i_n = tl.load(meta + off_chains + 3 * i_c + 2)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)

@@ -71,7 +71,7 @@ SIGNATURES = {
     ),
     "kda_segment_fold_kernel": Signature(
         "segments",
-        inputs=(("e", F32), ("m", F32), ("h0", F32), ("meta", I32_PTR), ("off_lanes", I32)),
+        inputs=(("e", F32), ("m", F32), ("h0", F32), ("meta", I32_PTR), ("off_chains", I32)),
         outputs=(("s", F32),),
     ),
     # The backward (q, k, g, beta are the transformed inputs; "in" covers do).

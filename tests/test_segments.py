@@ -51,14 +51,16 @@ def test_plan_cuts_whole_chunks_and_covers_every_token():
     assert corrected.tolist() == list(range(32, 70)) + list(range(103, 140))
     assert np.all(plan.corr_index.reshape(-1)[slot[corrected]] == corrected)
     assert plan.corr_start.tolist() == [0, 1, 3, 4]  # lane * steps + step - 1
-    # Near-equal whole chunks: 5 chunks at 2 per segment -> 2, 2, 1 (x 64 tokens).
+    # Near-equal whole chunks, each at least 2 and under 4: 5 chunks -> 3, 2 (x 64
+    # tokens, the last partial); 3 chunks stay whole.
     assert segments.segment_plan(SeqBounds([0, 300]), 64, 2).segments.lengths.tolist() == [
-        128, 128, 44]
+        192, 108]
+    assert segments.segment_plan(SeqBounds([0, 190]), 64, 2).segments.lengths.tolist() == [190]
 
 
 def test_tables_of_the_state_chain():
     """The Triton chain's tables: the segments' chunk offsets are the rows the
-    unsegmented call numbers; lanes = sequences with segments."""
+    unsegmented call numbers; chains = sequences with segments."""
     from kda_jax.bounds import chunk_offsets
 
     tables = segments.segment_tables(segments.segment_plan(SeqBounds(CU), 32, 1), 32)
@@ -66,8 +68,8 @@ def test_tables_of_the_state_chain():
     assert packed.view("cu_seqlens").tolist() == [0, 32, 64, 70, 71, 103, 135, 140]
     assert packed.view("chunk_offsets").tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     assert chunk_offsets(SeqBounds(CU), 32).tolist() == [0, 3, 3, 4, 7]
-    assert packed.view("lanes").tolist() == [[0, 3, 0], [3, 1, 2], [4, 3, 3]]
-    assert tables.num_lanes == 3
+    assert packed.view("chains").tolist() == [[0, 3, 0], [3, 1, 2], [4, 3, 3]]
+    assert tables.num_chains == 3
     assert tables.first_segment.tolist() == [0, -1, 3, 4]
     assert tables.last_segment.tolist() == [2, -1, 3, 6]
 
@@ -89,7 +91,8 @@ def test_rule_segments_the_issue_rows_and_not_the_sweep():
         return segments.segment_chunks(
             SeqBounds.from_lengths([t] * b), 64, hv=h, programs_per_seq_head=blocks,
             min_programs=cfg.backward_min_programs if backward else cfg.min_programs,
-            target_programs=cfg.target_programs, min_segment_chunks=cfg.min_segment_chunks)
+            target_programs=cfg.target_programs, min_segment_chunks=cfg.min_segment_chunks,
+            min_segments=cfg.min_segments)
 
     for b, t, h in DENSE_SWEEP:
         if (b, t, h) not in SWEEP_ROWS:
@@ -97,6 +100,8 @@ def test_rule_segments_the_issue_rows_and_not_the_sweep():
     for b, t, h in SWEEP_ROWS:
         assert per(b, t, h) == 128, (b, t, h)
         assert per(b, t, h, backward=True) == (128 if h == 4 else None), (b, t, h)
+    # Three segments' worth (384-511 chunks) at 4 heads: not cut (min_segments).
+    assert per(1, 400 * 64, 4) is None and per(1, 512 * 64, 4) == 128
     # Forced, but every sequence fits in one segment: unsegmented.
     assert segments.segment_chunks(SeqBounds([0, 64]), 64, hv=1, programs_per_seq_head=1,
                                    min_programs=0, target_programs=0, min_segment_chunks=1,
@@ -318,7 +323,9 @@ def test_rule_picks_segments_automatically():
         backward=backward)
     rule = configs.SegmentConfig(min_programs=1000, target_programs=4, min_segment_chunks=2,
                                  backward_min_programs=1)
-    assert tables(rule).plan.segments.lengths.tolist() == [96, 96, 64, 44]  # 10 chunks
+    # 10 chunks, target 4 segments: at least 3 chunks each -> 4, 3, 3.
+    assert tables(rule).plan.segments.lengths.tolist() == [128, 96, 76]
+    assert tables(dataclasses.replace(rule, min_segments=4)) is None  # 3 segments < 4
     assert tables(rule, backward=True) is None  # 1 program is not under 1
     assert tables(rule, split_k=True) is None and tables(rule, kd=256) is None
     assert tables(dataclasses.replace(rule, min_programs=1)) is None
@@ -329,7 +336,7 @@ def test_rule_picks_segments_automatically():
     opts = KdaOptions(scale=0.25, chunk_size=32)
     plan = lambda: segmented.plan_call("xla", bounds, None, opts, 1)
     with configs.override_segments(dataclasses.replace(rule, xla=True)):
-        assert plan().segments.lengths.tolist() == [96, 96, 64, 44]
+        assert plan().segments.lengths.tolist() == [128, 96, 76]
         assert segmented.plan_call("triton", bounds, None, opts, 1) is None
     with configs.override_segments(rule):
         assert plan() is None

@@ -13,7 +13,8 @@ backward
 2. runs, on them (transforms off), the forward's prepare kernel storing
    X = (I + L)^-1 too, then the five kernels of ``kda_jax.kernels.chunk_bwd``:
    state pass, reverse state pass, then per chunk the state terms, the terms
-   through X, and the intra-chunk products,
+   through X, and the intra-chunk products (the two state passes over
+   segments when the call is segmented, :mod:`kda_jax.triton.state_chain`),
 3. sums dq and dk over each GVA group (the kernels work per value head) and
    chains everything through the transforms' vjp.
 
@@ -298,16 +299,16 @@ def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, h
     seg_states = sds((n_seg, hv, kd, vd), f32)
     state = launch_kernel(
         state_l, inputs=dict(w=r["w"], u=r["u"], kt=r["kt"], gl=r["gl"], h0=starts, **by_seg),
-        outputs=dict(h=chunk_states, vn=tv), grid=grid, name="kda_bwd_state_kernel")
+        outputs=dict(h=chunk_states, vn=tv), grid=grid, name="kda_bwd_state_seg")
     rev = dict(qg=r["qg"], kt=r["kt"], w=r["w"], aqk=r["aqk"], gl=r["gl"], do=do, **by_seg)
     stand = sds((4,), f32)
     own = launch_kernel(own_l, inputs=dict(rev, dht=stand_in()),
                         outputs=dict(dh=stand, dvn=sds((4,), work), dh0=seg_states), grid=grid,
-                        name="kda_bwd_dstate_kernel")
+                        name="kda_bwd_dstate_own")
     ends = state_chain.fold_states(chain.fold_reverse, tables, own["dh0"], m, ht_bar)
     dstate = launch_kernel(dstate_l, inputs=dict(rev, dht=ends),
                            outputs=dict(dh=chunk_states, dvn=tv, dh0=seg_states), grid=grid,
-                           name="kda_bwd_dstate_kernel")
+                           name="kda_bwd_dstate_seg")
     if initial_state is None:
         return state, dict(dstate, dh0=stand_in())
     dh0 = state_chain.per_sequence(dstate["dh0"], tables.first_segment, ht_bar)

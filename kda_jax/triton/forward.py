@@ -1,4 +1,5 @@
-"""chunk_kda forward through the Triton kernels (two launches).
+"""chunk_kda forward through the Triton kernels (two launches; with segments,
+the chain's map and fold between them, :mod:`kda_jax.triton.state_chain`).
 
 Varlen metadata comes from either form (:mod:`kda_jax.batch`): host bounds
 (one constant) or a bucketed batch (a runtime buffer; grids from the bucket).
@@ -248,7 +249,7 @@ def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h,
                     n_chunk_rows=n_chunk_rows, slots=0),
         outputs=dict(o=sds((tokens, hv, vd), out_dtype),
                      ht=sds((n_seg, hv, kd, vd) if opts.output_final_state else (4,), f32)),
-        grid=(n_seg, hv, -(-vd // state.constexprs["BV"])), name="kda_fwd_state_output")
+        grid=(n_seg, hv, -(-vd // state.constexprs["BV"])), name="kda_fwd_state_output_seg")
     o = out["o"].reshape(b, t, hv, vd)
     if not opts.output_final_state:
         return o, None

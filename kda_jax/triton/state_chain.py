@@ -63,7 +63,7 @@ def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int
         bounds, chunk_size, hv=hv, programs_per_seq_head=-(-vd // block_v),
         min_programs=cfg.backward_min_programs if backward else cfg.min_programs,
         target_programs=cfg.target_programs, min_segment_chunks=cfg.min_segment_chunks,
-        forced_segment_chunks=cfg.segment_chunks)
+        min_segments=cfg.min_segments, forced_segment_chunks=cfg.segment_chunks)
     if per is None:
         return None
     return segment_tables(segment_plan(bounds, chunk_size, per), chunk_size)
@@ -114,7 +114,8 @@ def segment_meta(tables: SegmentTables) -> dict:
 def segment_maps(launches: ChainLaunches, tables: SegmentTables, w, u, kt, gl, *,
                  n_tokens: int, n_chunk_rows: int):
     """(E [S, HV, K, V], M [S, HV, K, K]) float32 of every segment, from the
-    prepare kernel's w, u, kt ([T, HV, *], 16-bit) and gl [chunks, HV, K]."""
+    prepare kernel's w, u, kt ([T, HV, *], the intermediates' dtype) and gl
+    [chunks, HV, K]."""
     c = launches.map.constexprs
     hv, kd, vd, bv = c["HV"], c["K"], c["V"], c["BV"]
     s = tables.plan.num_segments
@@ -140,9 +141,9 @@ def fold_states(launch: KernelLaunch, tables: SegmentTables, e, m, start):
     out = launch_kernel(
         launch,
         inputs=dict(e=e, m=m, h0=stand_in() if start is None else start.astype(jnp.float32),
-                    meta=jnp.asarray(packed.buffer), off_lanes=packed.offset("lanes")),
+                    meta=jnp.asarray(packed.buffer), off_chains=packed.offset("chains")),
         outputs=dict(s=jax.ShapeDtypeStruct((s, hv, kd, vd), jnp.float32)),
-        grid=(tables.num_lanes, hv, -(-vd // c["BV"])), name="kda_segment_fold")
+        grid=(tables.num_chains, hv, -(-vd // c["BV"])), name="kda_segment_fold")
     return out["s"]
 
 
