@@ -281,18 +281,18 @@ def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, h
     (``dh0`` per sequence, in the state layout, or a stand-in)."""
     f32 = jnp.float32
     sds = jax.ShapeDtypeStruct
-    k_first = lambda x: None if x is None else (
-        jnp.swapaxes(x.astype(f32), -1, -2) if opts.state_v_first else x.astype(f32))
-    h0, ht_bar = k_first(initial_state), k_first(dht)
+    h0 = state_chain.k_first(initial_state, opts.state_v_first)
+    ht_bar = state_chain.k_first(dht, opts.state_v_first)
     L = segmented_backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
                                     work=work, segments=segments, has_initial_state=h0 is not None,
                                     has_final_grad=ht_bar is not None)
     state_l, own_l, dstate_l, chain = L["state"], L["own"], L["dstate"], L["chain"]
-    e, m = state_chain.segment_maps(chain, tables, r["w"], r["u"], r["kt"], r["gl"],
+    meta = state_chain.segment_meta(tables)
+    e, m = state_chain.segment_maps(chain, tables, meta, r["w"], r["u"], r["kt"], r["gl"],
                                     n_tokens=tokens, n_chunk_rows=n_chunks)
-    starts = state_chain.fold_states(chain.fold, tables, e, m, h0)
+    starts = state_chain.fold_states(chain.fold, tables, meta, e, m, h0)
     n_seg = tables.plan.num_segments
-    by_seg = dict(**state_chain.segment_meta(tables), n_tokens=tokens, n_chunk_rows=n_chunks)
+    by_seg = dict(**meta, n_tokens=tokens, n_chunk_rows=n_chunks)
     grid = (n_seg, hv, -(-vd // state_l.constexprs["BV"]))
     tv = sds((tokens, hv, vd), work)
     chunk_states = sds((n_chunks, hv, kd, vd), f32)
@@ -305,14 +305,14 @@ def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, h
     own = launch_kernel(own_l, inputs=dict(rev, dht=stand_in()),
                         outputs=dict(dh=stand, dvn=sds((4,), work), dh0=seg_states), grid=grid,
                         name="kda_bwd_dstate_own")
-    ends = state_chain.fold_states(chain.fold_reverse, tables, own["dh0"], m, ht_bar)
+    ends = state_chain.fold_states(chain.fold_reverse, tables, meta, own["dh0"], m, ht_bar)
     dstate = launch_kernel(dstate_l, inputs=dict(rev, dht=ends),
                            outputs=dict(dh=chunk_states, dvn=tv, dh0=seg_states), grid=grid,
                            name="kda_bwd_dstate_seg")
     if initial_state is None:
         return state, dict(dstate, dh0=stand_in())
     dh0 = state_chain.per_sequence(dstate["dh0"], tables.first_segment, ht_bar)
-    return state, dict(dstate, dh0=jnp.swapaxes(dh0, -1, -2) if opts.state_v_first else dh0)
+    return state, dict(dstate, dh0=state_chain.k_first(dh0, opts.state_v_first))
 
 
 def _transform(opts: KdaOptions):

@@ -231,13 +231,11 @@ def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h,
     state, chain = segmented_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
                                       work=work, segments=segments,
                                       has_initial_state=initial_state is not None)
-    e, m = state_chain.segment_maps(chain, tables, p["w"], p["u"], p["kt"], p["gl"],
+    meta = state_chain.segment_meta(tables)
+    e, m = state_chain.segment_maps(chain, tables, meta, p["w"], p["u"], p["kt"], p["gl"],
                                     n_tokens=tokens, n_chunk_rows=n_chunk_rows)
-    h0 = None
-    if initial_state is not None:
-        h0 = initial_state.astype(f32)
-        h0 = jnp.swapaxes(h0, -1, -2) if opts.state_v_first else h0
-    starts = state_chain.fold_states(chain.fold, tables, e, m, h0)
+    h0 = state_chain.k_first(initial_state, opts.state_v_first)
+    starts = state_chain.fold_states(chain.fold, tables, meta, e, m, h0)
     n_seg = tables.plan.num_segments
     no_index = stand_in(np.int32)
     sds = jax.ShapeDtypeStruct
@@ -245,7 +243,7 @@ def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h,
         state,
         inputs=dict(w=p["w"], u=p["u"], qg=p["qg"], kt=p["kt"], aqk=p["aqk"], gl=p["gl"],
                     h0=starts, read_idx=no_index, write_idx=no_index,
-                    **state_chain.segment_meta(tables), n_seqs=n_seg, n_tokens=tokens,
+                    **meta, n_seqs=n_seg, n_tokens=tokens,
                     n_chunk_rows=n_chunk_rows, slots=0),
         outputs=dict(o=sds((tokens, hv, vd), out_dtype),
                      ht=sds((n_seg, hv, kd, vd) if opts.output_final_state else (4,), f32)),
@@ -254,7 +252,7 @@ def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h,
     if not opts.output_final_state:
         return o, None
     final = state_chain.per_sequence(out["ht"], tables.last_segment, h0)
-    return o, (jnp.swapaxes(final, -1, -2) if opts.state_v_first else final)
+    return o, state_chain.k_first(final, opts.state_v_first)
 
 
 def chunk_kda_triton_serving(q, k, v, g, beta, initial_state, A_log, dt_bias, *,

@@ -37,8 +37,8 @@ from kda_jax.bounds import SeqBounds, next_pow2
 from kda_jax.segments import SegmentTables, segment_chunks, segment_plan, segment_tables
 from kda_jax.triton.launch import KernelLaunch, dot_code, launch_kernel, stand_in
 
-__all__ = ["ChainLaunches", "chain_tables", "chain_launches", "segment_meta", "segment_maps",
-           "fold_states", "per_sequence"]
+__all__ = ["ChainLaunches", "chain_tables", "chain_launches", "segment_meta", "k_first",
+           "segment_maps", "fold_states", "per_sequence"]
 
 # The fold's tiles: [K, FOLD_BV] states, [K, FOLD_BJ] slices of M, and its
 # warps. Slices of 16: with 32, tf32x3 products at K = 128 took 255 registers
@@ -104,36 +104,48 @@ def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, use_h0: b
 
 
 def segment_meta(tables: SegmentTables) -> dict:
-    """The segments' metadata arguments of a per-sequence kernel (the buffer
-    is the call's second int32 constant)."""
+    """The segments' metadata arguments of a per-sequence kernel: the buffer
+    (the call's second int32 constant: make it once per call and pass it to
+    every launch) and the offsets of the segments' bounds and chunk offsets."""
     packed = tables.packed
     return dict(meta=jnp.asarray(packed.buffer), off_cu=packed.offset("cu_seqlens"),
                 off_co=packed.offset("chunk_offsets"))
 
 
-def segment_maps(launches: ChainLaunches, tables: SegmentTables, w, u, kt, gl, *,
+def k_first(states, v_first: bool):
+    """States float32 and K-first ``[..., K, V]`` from the caller's layout
+    (``[..., V, K]`` when ``v_first``), or None; the same swap takes the
+    chain's K-first states back."""
+    if states is None:
+        return None
+    states = states.astype(jnp.float32)
+    return jnp.swapaxes(states, -1, -2) if v_first else states
+
+
+def segment_maps(launches: ChainLaunches, tables: SegmentTables, meta: dict, w, u, kt, gl, *,
                  n_tokens: int, n_chunk_rows: int):
     """(E [S, HV, K, V], M [S, HV, K, K]) float32 of every segment, from the
     prepare kernel's w, u, kt ([T, HV, *], the intermediates' dtype) and gl
-    [chunks, HV, K]."""
+    [chunks, HV, K]; ``meta``: :func:`segment_meta`'s."""
     c = launches.map.constexprs
     hv, kd, vd, bv = c["HV"], c["K"], c["V"], c["BV"]
     s = tables.plan.num_segments
     sds = jax.ShapeDtypeStruct
     out = launch_kernel(
         launches.map,
-        inputs=dict(w=w, u=u, kt=kt, gl=gl, **segment_meta(tables), n_tokens=n_tokens,
+        inputs=dict(w=w, u=u, kt=kt, gl=gl, **meta, n_tokens=n_tokens,
                     n_chunk_rows=n_chunk_rows),
         outputs=dict(e=sds((s, hv, kd, vd), jnp.float32), m=sds((s, hv, kd, kd), jnp.float32)),
         grid=(s, hv, -(-vd // bv) + -(-kd // bv)), name="kda_segment_map")
     return out["e"], out["m"]
 
 
-def fold_states(launch: KernelLaunch, tables: SegmentTables, e, m, start):
+def fold_states(launch: KernelLaunch, tables: SegmentTables, meta: dict, e, m, start):
     """The state every segment starts from (forward launch) or the cotangent
     of its end state (reverse launch), float32 [S, HV, K, V] K-first, from the
     maps and ``start`` [N, HV, K, V] float32 (each sequence's initial state,
-    or its final state's cotangent), or None (zeros)."""
+    or its final state's cotangent), or None (zeros). ``meta``:
+    :func:`segment_meta`'s (its buffer holds the chains table too)."""
     c = launch.constexprs
     hv, kd, vd = c["HV"], c["K"], c["V"]
     s = tables.plan.num_segments
@@ -141,7 +153,7 @@ def fold_states(launch: KernelLaunch, tables: SegmentTables, e, m, start):
     out = launch_kernel(
         launch,
         inputs=dict(e=e, m=m, h0=stand_in() if start is None else start.astype(jnp.float32),
-                    meta=jnp.asarray(packed.buffer), off_chains=packed.offset("chains")),
+                    meta=meta["meta"], off_chains=packed.offset("chains")),
         outputs=dict(s=jax.ShapeDtypeStruct((s, hv, kd, vd), jnp.float32)),
         grid=(tables.num_chains, hv, -(-vd // c["BV"])), name="kda_segment_fold")
     return out["s"]
