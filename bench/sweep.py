@@ -52,6 +52,7 @@ def implementation(impl: str, segment_chunks: int | None = None):
         return "triton", configs.override_segments(configs.SegmentConfig())
     if impl == "triton-seq":
         rule = dataclasses.replace(configs.segment_config(), min_programs=2**31 - 1,
+                                   backward_min_programs=2**31 - 1,
                                    segment_chunks=segment_chunks)
         return "triton", configs.override_segments(rule)
     return impl, contextlib.nullcontext()

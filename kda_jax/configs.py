@@ -665,11 +665,12 @@ class SegmentConfig:
 
 # sm90: the forward segments when its state pass has fewer than 128 programs
 # (the H200 has 132 SMs) and a sequence makes 4 segments of 128 chunks or more
-# (each 128-255 chunks), the backward below 32 programs. On the H200
+# (each 128-255 chunks), the backward below 64 programs. On the H200
 # (docs/tuning.md, "Segmented state chain") 128-chunk segments beat 32 and 64
 # in the forward on every low-head row (4 to 16 segments per sequence), a row
 # of 128 programs gains nothing, and the backward, whose reverse pass runs
-# twice, gained at 16 programs and lost at 32 and 48. Two or three segments
+# twice, gains at 32 programs (4 heads of 8 V blocks) and loses at 64 and 96.
+# Two or three segments
 # are not measured: the chain's critical path (the map's and the state pass's
 # walks, 2/n of the chunks each, plus the fold) leaves them little to gain.
 # The AMD targets and other GPUs: off until measured there (force it with
@@ -677,7 +678,7 @@ class SegmentConfig:
 # fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5 relative, as
 # their float32 state passes' products, ForwardConfig.fp32_dot), ieee elsewhere.
 _SEGMENT_RULE = dict(min_programs=128, target_programs=512, min_segment_chunks=128,
-                     min_segments=4, backward_min_programs=32)
+                     min_segments=4, backward_min_programs=64)
 SEGMENTS = {
     "sm90": SegmentConfig(**_SEGMENT_RULE, fold_dot="bf16x3"),
     "gfx950": SegmentConfig(fold_dot="bf16x3"),

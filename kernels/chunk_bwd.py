@@ -55,8 +55,8 @@ GATE_FLOOR), with error relative to themselves, not to |G|.
 import triton
 import triton.language as tl
 
-from .common import (BS, anchor_rows, chunk_rows, col_of, dot, g_rows, g_tile, product_path,
-                     row_of, suffix_exponent, tile)
+from .common import (BS, anchor_rows, chunk_rows, col_of, decay_row, dot, g_rows, g_tile,
+                     next_decay_row, product_path, row_of, suffix_exponent, tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
 
@@ -123,8 +123,13 @@ def kda_bwd_state_kernel(
                                                   STATE_V_FIRST)
         b_h1 = load_state(h0 + shift, h0, 0, i_n, i_hv, o_s, m_kv1, HV, K, V, BK, BV,
                           USE_INITIAL_STATE, False)
+    else:
+        b_gl_next = next_decay_row(gl, c0, 0, n_chunks, i_hv, o_k, m_k, HV, K)
 
     for i_t in range(0, n_chunks):
+        if not SPLIT_K:
+            b_gl = b_gl_next  # loaded a chunk ahead (common.next_decay_row)
+            b_gl_next = next_decay_row(gl, c0, i_t + 1, n_chunks, i_hv, o_k, m_k, HV, K)
         m_t, r64, p_k, p_v, m_tk, m_tv, i_c, p_h = _seq_chunk(
             bos, eos, c0, i_t, o_t, i_hv, o_k, m_k, o_v, m_v, HV, K, V, BT)
         tl.store(h + p_h, b_h, mask=m_kv)
@@ -134,7 +139,8 @@ def kda_bwd_state_kernel(
         b_w = tl.load(w + p_k, mask=m_tk, other=0.)
         b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
         b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+        if SPLIT_K:
+            b_gl = decay_row(gl, i_c, i_hv, o_k, m_k, HV, K)
         b_vn = b_u - dot(b_w, b_h.to(b_w.dtype), DOT)
         if SPLIT_K:
             b_w = tl.load(w + BK + p_k, mask=m_tk1, other=0.)
@@ -144,7 +150,7 @@ def kda_bwd_state_kernel(
         b_h = b_h * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
         if SPLIT_K:
             b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
-            b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k1, mask=m_k1, other=0.)
+            b_gl = decay_row(gl, i_c, i_hv, o_k1, m_k1, HV, K)
             b_h1 = b_h1 * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
 
 
@@ -203,19 +209,23 @@ def kda_bwd_dstate_kernel(
             b_dvnd = b_dvn.to(b_kt.dtype)
             if STORE_CHUNKS:
                 tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
-            b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+            b_gl = decay_row(gl, i_c, i_hv, o_k, m_k, HV, K)
             b_qgt = tl.load(qg + p_kt, mask=m_kt, other=0.)
             b_dh = b_dh * b_gl[:, None] + dot(b_qgt, b_do, DOT)
             b_wt = tl.load(w + p_kt, mask=m_kt, other=0.)
             b_dh -= dot(b_wt, b_dvnd, DOT)
-            b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k1, mask=m_k1, other=0.)
+            b_gl = decay_row(gl, i_c, i_hv, o_k1, m_k1, HV, K)
             b_qgt = tl.load(qg + BK + p_kt, mask=m_kt1, other=0.)
             b_dh1 = b_dh1 * b_gl[:, None] + dot(b_qgt, b_do, DOT)
             b_wt = tl.load(w + BK + p_kt, mask=m_kt1, other=0.)
             b_dh1 -= dot(b_wt, b_dvnd, DOT)
         else:
             # Each [BT, K] tile is loaded just before its product, so that one
-            # at a time is live (K = 256 and float32 tiles are tight in registers).
+            # at a time is live (K = 256 and float32 tiles are tight in registers);
+            # the decay row first, so that its latency passes under the products
+            # (carried from the step before, as the forward's is, it spilled at
+            # K = 100 on sm90).
+            b_gl = decay_row(gl, i_c, i_hv, o_k, m_k, HV, K)
             b_a = tl.load(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
                           mask=m_t[:, None], other=0.)
             b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(b_a.dtype)
@@ -225,7 +235,6 @@ def kda_bwd_dstate_kernel(
             b_dvnd = b_dvn.to(b_kt.dtype)
             if STORE_CHUNKS:
                 tl.store(dvn + p_v, b_dvnd.to(dvn.dtype.element_ty), mask=m_tv)
-            b_gl = tl.load(gl + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.)
             b_qg = tl.load(qg + p_k, mask=m_tk, other=0.)
             b_dh = b_dh * b_gl[:, None] + dot(tl.trans(b_qg), b_do, DOT)
             b_w = tl.load(w + p_k, mask=m_tk, other=0.)

@@ -34,8 +34,8 @@ kernels/gate.py), so their error is relative to themselves, not to |G|.
 import triton
 import triton.language as tl
 
-from .common import (BS, anchor_rows, chunk_rows, dot, g_rows, g_tile, product_path, row_of,
-                     store_zero_rows, suffix_exponent, tile)
+from .common import (BS, anchor_rows, chunk_rows, decay_row, dot, g_rows, g_tile, next_decay_row,
+                     product_path, row_of, store_zero_rows, suffix_exponent, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
@@ -448,8 +448,13 @@ def _state_output_sequence(
                                                   STATE_V_FIRST)
         b_h1 = load_state(h0 + shift, read_idx, slots, i_n, i_hv, o_s, m_kv1, HV, K, V, BK,
                           BV, USE_INITIAL_STATE, INDEXED_STATE)
+    else:
+        b_gl_next = next_decay_row(gl, c0, 0, n_chunks, i_hv, o_k, m_k, HV, K)
 
     for i_t in range(0, n_chunks):
+        if not SPLIT_K:
+            b_gl = b_gl_next  # loaded a chunk ahead (common.next_decay_row)
+            b_gl_next = next_decay_row(gl, c0, i_t + 1, n_chunks, i_hv, o_k, m_k, HV, K)
         rows = bos + i_t * BT + o_t
         m_t = rows < eos
         r64 = rows.to(tl.int64)
@@ -488,13 +493,12 @@ def _state_output_sequence(
         b_o += dot(b_a.to(b_w.dtype), b_vnd, DOT)
         tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
         b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
-        b_gl = tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k,
-                       mask=m_k, other=0.)
+        if SPLIT_K:
+            b_gl = decay_row(gl, c0 + i_t, i_hv, o_k, m_k, HV, K)
         b_h = b_h * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
         if SPLIT_K:
             b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
-            b_gl = tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k1,
-                           mask=m_k1, other=0.)
+            b_gl = decay_row(gl, c0 + i_t, i_hv, o_k1, m_k1, HV, K)
             b_h1 = b_h1 * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
 
     store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,

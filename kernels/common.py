@@ -83,6 +83,28 @@ def chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens, BT: tl.constexpr):
 
 
 @triton.jit
+def decay_row(gl, i_c, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
+    """exp(G_last) of chunk row i_c over the K slice o_k (gl [NC, HV, K],
+    fp32): the decay of the state across that chunk."""
+    return tl.load(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+
+
+@triton.jit
+def next_decay_row(gl, c0, i_t, n_chunks, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
+    """decay_row of chunk i_t of a state pass's sequence (row c0 + i_t),
+    zeros when i_t is outside [0, n_chunks): for loading it a chunk ahead.
+    Triton's software pipeliner stages the tiles that feed products but not
+    this row: loaded where it is used, it cost every chunk a whole memory
+    latency (on sm90 about a fifth of the forward state kernels' stall
+    samples, Nsight Compute). The state passes carry it from the step before
+    where registers allow (not on the float32 K-halves path, nor in the
+    backward's reverse pass, which loads it first in the step instead)."""
+    b_c = i_t + 0 * o_k  # the range test on a [BK] tile (a scalar one misbehaves in the interpreter)
+    m_c = m_k & (b_c >= 0) & (b_c < n_chunks)
+    return tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k, mask=m_c, other=0.)
+
+
+@triton.jit
 def anchor_rows(t0, n_rows, BT: tl.constexpr):
     """(anchor row, last row) of a chunk, int64: the anchor is the middle row,
     or the last one of a shorter chunk; rows past the sequence repeat the

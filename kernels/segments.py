@@ -20,7 +20,7 @@ runtime buffer: the fold's chain table is read unclamped.
 import triton
 import triton.language as tl
 
-from .common import dot
+from .common import dot, next_decay_row
 from .varlen import seq_chunks, seq_span
 
 
@@ -52,8 +52,11 @@ def kda_segment_map_kernel(
     o_t = tl.arange(0, BT)
     b_h = tl.where((o_k[:, None] == o_c[None, :]) & (col >= NV * BV)[None, :], 1.0, 0.0)
     b_h = b_h.to(tl.float32)
+    b_gl_next = next_decay_row(gl, c0, 0, n_chunks, i_hv, o_k, m_k, HV, K)
 
     for i_t in range(0, n_chunks):
+        b_gl = b_gl_next  # loaded a chunk ahead (common.next_decay_row)
+        b_gl_next = next_decay_row(gl, c0, i_t + 1, n_chunks, i_hv, o_k, m_k, HV, K)
         rows = bos + i_t * BT + o_t
         m_t = rows < eos
         r64 = (rows.to(tl.int64) * HV + i_hv)
@@ -64,8 +67,6 @@ def kda_segment_map_kernel(
         b_w = tl.load(w + p_k, mask=m_tk, other=0.)
         b_vnd = (b_u - dot(b_w, b_h.to(b_w.dtype), DOT)).to(b_w.dtype)
         b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
-        b_gl = tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k, mask=m_k,
-                       other=0.)
         b_h = b_h * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
 
     base = i_s.to(tl.int64) * HV + i_hv

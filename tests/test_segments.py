@@ -79,15 +79,16 @@ SWEEP_ROWS = ((1, 65536, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 12))
 
 def test_rule_segments_the_issue_rows_and_not_the_sweep():
     """sm90's rule (an H200 has 132 SMs) cuts the low-head long rows into
-    128-chunk segments in the forward, and only the 16-program rows in the
-    backward; no other row of the forward sweep (K = V = 128, 4 V blocks).
-    The AMD targets and unknown devices ship it off."""
+    128-chunk segments in the forward (4 V blocks of the forward's state
+    pass), and only the 4-head rows in the backward (32 programs: 8 V blocks
+    of the backward's state pass); no other row of the forward sweep
+    (K = V = 128). The AMD targets and unknown devices ship it off."""
     assert all(configs.SEGMENTS[a].min_programs == 0 for a in
                ("gfx950", "gfx942", "gfx1250", "default"))
     cfg = configs.SEGMENTS["sm90"]
-    blocks = -(-128 // configs.FORWARD["sm90"].state_block_v)
-
     def per(b, t, h, backward=False):
+        table = configs.BACKWARD if backward else configs.FORWARD
+        blocks = -(-128 // table["sm90"].state_block_v)
         return segments.segment_chunks(
             SeqBounds.from_lengths([t] * b), 64, hv=h, programs_per_seq_head=blocks,
             min_programs=cfg.backward_min_programs if backward else cfg.min_programs,
