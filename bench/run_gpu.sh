@@ -10,6 +10,10 @@
 #   decode    bench.decode: dense and pool decode steps against fla, with alternating rounds
 #   plot      bench.plot: PNG charts of the JSON written here
 #   tune-forward, tune-backward, tune-decode   the config tuners (bench/tune/)
+#   profile   Nsight Compute on one chunk_kda call (bench.profile_target at PROFILE_SHAPE,
+#             default 1,65536,4; PROFILE_ARGS=--backward for its gradient too): each kernel's
+#             duration, occupancy and warp stalls ($OUT/profile-details.txt), and the stall
+#             samples per SASS instruction, summarised by bench.stalls ($OUT/profile-stalls.txt)
 #
 # Needs a CUDA or ROCm GPU, the package's dependencies (pip install ".[cuda,test,bench]" or
 # ".[rocm,test,bench]") and, for fla's columns, torch and fla-core (flash-linear-attention).
@@ -72,6 +76,20 @@ for stage in "${stages[@]}"; do
       name=${stage#tune-}
       timeout "$limit" python3 -m "bench.tune.tune_$name" --json "$OUT/tune-$name.json" 2>&1 \
         | tee "$OUT/tune-$name.log" | tail -16 ;;
+    profile)
+      # Clocks left as they are (--clock-control none), as the rest of the benchmarks run.
+      timeout "$limit" ncu --clock-control none --kernel-name "regex:${PROFILE_KERNELS:-kda_}" \
+        --launch-skip "${PROFILE_SKIP:-0}" --launch-count "${PROFILE_COUNT:-12}" \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section WarpStateStats --section SourceCounters --import-source yes -f \
+        -o "$OUT/profile" python3 -m bench.profile_target "${PROFILE_SHAPE:-1,65536,4}" \
+        ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
+      ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile-details.txt"
+      ncu --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/profile-sass.csv"
+      python3 -m bench.stalls "$OUT/profile-sass.csv" > "$OUT/profile-stalls.txt"
+      grep -E '^  [a-z_]+.*\(|Duration' "$OUT/profile-details.txt" | head -40
+      head -60 "$OUT/profile-stalls.txt" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

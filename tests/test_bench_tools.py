@@ -126,3 +126,34 @@ def test_aot_compare_summary_against_report(tmp_path, capsys):
         r["occupancy"] = 0
     (row,) = aot_compare.compare(aot_compare.load(paths[1]), fell, ["gfx950"], "main/c64/default")
     assert row["occupancy_fell_at"] == {"main/c64/default": [1, 0], "x/c32/all": [3, 0]}
+
+
+def test_stalls_summary_of_an_ncu_source_page(tmp_path, capsys):
+    from bench import stalls
+
+    header = ["Address", "Source", stalls.SAMPLES, stalls.EXECUTED, "stall_long_sb",
+              "stall_barrier", "stall_long_sb (Not Issued)"]
+    body = [["0x0", "  LDG.E R7, desc[UR4][R8.64]", "2", "512", "0", "2", "0"],
+            ["0x10", "  STS [R4+0x2c000], R7", "90", "512", "85", "5", "80"],
+            ["0x20", "@P1  BRA 0x7f00", "8", "1,024", "8", "0", "8"]]
+    path = tmp_path / "sass.csv"
+    path.write_text("\n".join(",".join(f'"{x}"' for x in row) for row in
+                              [["Kernel Name", "k_a", ""], header, *body,
+                               ["Kernel Name", "k_b", ""], header, body[0]]) + "\n")
+    per = stalls.kernels(str(path))
+    assert list(per) == ["k_a", "k_b"] and len(per["k_a"]) == 3 and len(per["k_b"]) == 1
+    assert [stalls.opcode(r["Source"]) for r in per["k_a"]] == ["LDG", "STS", "BRA"]
+    text = stalls.summary(per["k_a"], top=2)
+    assert "100 stall samples" in text and "long_sb 93%" in text and "barrier 7%" in text
+    assert "BRA 50%" in text  # executed counts with thousands separators
+    top = [line for line in text.splitlines() if line.startswith("  ")]
+    assert len(top) == 2 and "STS" in top[0] and "90.0%" in top[0] and "long_sb 85" in top[0]
+    stalls.main([str(path), "--top", "1"])
+    assert "== k_b" in capsys.readouterr().out
+
+
+def test_profile_target_runs_a_forward_and_a_gradient():
+    from bench import profile_target
+
+    profile_target.main(["1,64,2", "--head-dim", "16", "--calls", "1"])
+    profile_target.main(["1,64,2", "--head-dim", "16", "--calls", "1", "--backward"])
