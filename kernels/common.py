@@ -101,7 +101,7 @@ def next_decay_row(gl, c0, i_t, n_chunks, i_hv, o_k, m_k, HV: tl.constexpr, K: t
     backward's reverse pass, which loads it first in the step instead)."""
     b_c = i_t + 0 * o_k  # the range test on a [BK] tile (a scalar one misbehaves in the interpreter)
     m_c = m_k & (b_c >= 0) & (b_c < n_chunks)
-    return tl.load(gl + ((c0 + i_t).to(tl.int64) * HV + i_hv) * K + o_k, mask=m_c, other=0.)
+    return decay_row(gl, c0 + i_t, i_hv, o_k, m_c, HV, K)
 
 
 @triton.jit
