@@ -452,8 +452,8 @@ def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
             "set when the kernels were imported; compile through kda_jax.aot.run, whose "
             "worker processes drop it")
     # The backward casts its inputs to float32 with float32 intermediates.
-    backward = kernel in BWD_KERNELS or kernel.startswith("kda_bwd_")
-    in_dtype = "fp32" if backward and work == "fp32" else spec.dtype
+    # (BWD_KERNELS and the segmented backward's state passes: the kda_bwd_ names.)
+    in_dtype = "fp32" if kernel.startswith("kda_bwd_") and work == "fp32" else spec.dtype
     signature, attrs = _signature(fn, name, in_dtype, work, launch.constexprs)
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
                    enable_fp_fusion=True, debug=False)  # as jax-triton compiles

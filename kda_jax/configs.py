@@ -670,9 +670,9 @@ class SegmentConfig:
 # in the forward on every low-head row (4 to 16 segments per sequence), a row
 # of 128 programs gains nothing, and the backward, whose reverse pass runs
 # twice, gains at 32 programs (4 heads of 8 V blocks) and loses at 64 and 96.
-# Two or three segments
-# are not measured: the chain's critical path (the map's and the state pass's
-# walks, 2/n of the chunks each, plus the fold) leaves them little to gain.
+# Two or three segments are not measured: the chain's critical path (the map's
+# and the state pass's walks, 2/n of the chunks each, plus the fold) leaves
+# them little to gain.
 # The AMD targets and other GPUs: off until measured there (force it with
 # override_segments; the kernels compile for every target, kda_jax.aot). The
 # fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5 relative, as

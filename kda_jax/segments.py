@@ -229,9 +229,8 @@ def segment_chunks(bounds: SeqBounds, chunk_size: int, *, hv: int, programs_per_
             return None
         wanted = -(-max(target_programs, 1) // (hv * programs_per_seq_head))
         per = max(min_segment_chunks, -(-int(counts.sum()) // wanted))
-    if forced_segment_chunks is not None:
-        min_segments = 2
-    return per if int(counts.max()) // per >= max(min_segments, 2) else None
+    needed = 2 if forced_segment_chunks is not None else max(min_segments, 2)
+    return per if int(counts.max()) // per >= needed else None
 
 
 # --------------------------------------------------------------------------- #
