@@ -29,6 +29,11 @@
 #   TIMEOUT     seconds per stage (default 900). fla's first call per shape autotunes for
 #               minutes; Triton keeps the results in its cache (TRITON_CACHE_DIR, default
 #               ~/.triton/cache), so a second run is much faster.
+#   AUTOTUNE_IN optional: a .tar.gz of Triton autotune results (fla's kernels autotune), unpacked
+#               into the Triton cache first. Every run packs the cache's results into
+#               $OUT/autotune.tar.gz, so a machine that keeps no cache between commands (a fresh
+#               device machine) pays fla's autotuning once: pass that file back as AUTOTUNE_IN.
+#               TRITON_CACHE_AUTOTUNING=1 is set unless the environment sets it.
 #   WHEELS      optional: a directory of .whl files to install first, for a machine with no
 #               package index (pip install --no-index --no-deps --target into $OUT/site,
 #               put first on PYTHONPATH). Without it the environment's packages are used.
@@ -40,6 +45,16 @@ if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$OUT/site" "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=$OUT/site:$PYTHONPATH
 fi
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -n "${AUTOTUNE_IN:-}" ]; then
+  mkdir -p "$triton_cache" && tar -xzf "$AUTOTUNE_IN" -C "$triton_cache" || exit 1
+fi
+pack_autotune() {
+  [ -d "$triton_cache" ] || return 0
+  (cd "$triton_cache" && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tar.gz" -T -)
+}
+trap pack_autotune EXIT
 limit=${TIMEOUT:-900}
 impls=${IMPLS:-triton,fla}
 serving_lengths=$(python3 -c 'from kda_jax.testing import SERVING_LENGTHS as s; print(",".join(map(str, s)))')
