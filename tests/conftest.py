@@ -177,3 +177,4 @@ def example():
         return module
 
     return load
+

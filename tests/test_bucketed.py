@@ -19,6 +19,7 @@ import pytest
 import kda_jax
 from kda_jax import Bucket, VarlenBatch, reference, testing
 from kda_jax.triton import interpret_mode, unavailable_reason
+from guards import no_device_reads
 
 NO_TRITON = unavailable_reason()
 ON_GPU = NO_TRITON is None and not interpret_mode()
@@ -155,7 +156,7 @@ def test_many_bounds_compile_once_without_reading_back(fn, impl, check_close):
     for i, lens in enumerate(_rotating_lengths(sets, bucket)):
         batch = jax.device_put(VarlenBatch.from_lengths(lens, bucket))
         before = np.asarray(pool) if i in (0, sets - 1) else None
-        with jax.transfer_guard_device_to_host("disallow"):
+        with no_device_reads(strict=strict):
             if strict:
                 with jax.transfer_guard("disallow"):
                     o, pool = jitted(pool, idx, *args, batch)
@@ -194,7 +195,7 @@ def test_a_numpy_batch_goes_to_jit_as_it_is():
     for lens in _rotating_lengths(4, bucket):
         batch = VarlenBatch.from_lengths(lens, bucket)
         assert isinstance(batch.metadata, np.ndarray)
-        with jax.transfer_guard_device_to_host("disallow"):
+        with no_device_reads():
             o, new = jitted(pool, idx, batch, *x)
             jax.block_until_ready(new)
         o_put, new_put = jitted_put(pool, idx, jax.device_put(batch), *x)

@@ -16,6 +16,7 @@ import pytest
 import kda_jax
 from kda_jax import SeqBounds
 from kda_jax.testing import assert_close, make_inputs
+from guards import no_device_reads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = (0, 7, 1, 0, 40)  # T = 48; an empty first and middle sequence
@@ -93,12 +94,24 @@ def test_no_transfers_after_compilation():
     np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(expected[1]))
 
 
+def test_no_device_reads_fires():
+    """The guard the tests below run under raises on every kind of read, on a
+    CPU too (where jax's own device-to-host guard never fires)."""
+    x = jax.numpy.arange(3.0) + 1
+    reads = (lambda a: np.asarray(a), lambda a: np.array(a), lambda a: float(a[0]),
+             lambda a: a.tolist(), jax.device_get)
+    for read in reads:
+        with no_device_reads(), pytest.raises(RuntimeError, match="no_device_reads"):
+            read(x)
+    np.testing.assert_array_equal(np.asarray(x), [1.0, 2.0, 3.0])  # restored after
+
+
 def test_device_to_host_guard():
-    """No device-to-host read in a varlen call, traced and compiled under the guard
-    (on CPU the guard never fires, but it must not raise either)."""
+    """No device-to-host read in a varlen call, traced and compiled under the
+    guard."""
     _, args = _inputs()
     bounds = SeqBounds(np.array([0, 3, 48, 48, 48, 48]))
-    with jax.transfer_guard_device_to_host("disallow"):
+    with no_device_reads():
         f = jax.jit(lambda *a: kda_jax.chunk_kda(*a[:5], initial_state=a[5], cu_seqlens=bounds,
                                                  output_final_state=True, implementation="xla"))
         jax.block_until_ready(f(*args))
