@@ -12,11 +12,16 @@ from kda_jax.api import IMPLEMENTATIONS, chunk_kda, fused_recurrent_kda
 from kda_jax.batch import VarlenBatch
 from kda_jax.bounds import Bucket, SeqBounds
 from kda_jax.reference import naive_recurrent_kda
+from kda_jax.triton.forward_only import (NotBatchableError, NotDifferentiableError,
+                                         UnsupportedTransformError)
 
 __all__ = [
     "IMPLEMENTATIONS",
     "Bucket",
+    "NotBatchableError",
+    "NotDifferentiableError",
     "SeqBounds",
+    "UnsupportedTransformError",
     "VarlenBatch",
     "chunk_kda",
     "fused_recurrent_kda",

@@ -1,444 +1,25 @@
-"""Public entry points: argument checks, backend choice, docstrings.
+"""Public entry points: backend choice, dispatch, docstrings.
 
-Every bad input raises ``ValueError`` or ``TypeError`` naming the argument and
-its value before any backend runs. Backends never fall back silently.
+Every call is checked first (kda_jax.checks: a bad input raises ``ValueError``
+or ``TypeError`` naming the argument and its value before any backend runs).
+Backends never fall back silently.
 """
 
 from __future__ import annotations
 
 import functools
-import numbers
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from kda_jax.batch import VarlenBatch, mask_padding, num_seqs
-from kda_jax.bounds import SeqBounds, as_seq_bounds
+from kda_jax.batch import VarlenBatch, mask_padding
+from kda_jax.checks import IMPLEMENTATIONS, check_call, check_chunk_size
 from kda_jax.options import KdaOptions
 from kda_jax import configs, context_parallel, segmented, xla
 from kda_jax import pool as state_pool
 from kda_jax import triton as kda_triton
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "IMPLEMENTATIONS"]
-
-IMPLEMENTATIONS = ("xla", "triton")
-CHUNK_SIZES = (32, 64)
-
-
-# --------------------------------------------------------------------------- #
-# Checks, one concern each; _check_call runs them in order.
-# --------------------------------------------------------------------------- #
-
-# The floating dtypes every array argument may have (states: float32 inside).
-FLOAT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
-_FLOAT_NAMES = "bf16, fp16 or fp32"
-
-
-class _Dims(NamedTuple):
-    """The sizes of one call: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``."""
-
-    b: int
-    t: int
-    h: int
-    hv: int
-    kd: int
-    vd: int
-
-
-def _array(x, name: str, ndim: int, layout: str) -> tuple[int, ...]:
-    """Checks that ``x`` is an array of rank ``ndim`` and a bf16/fp16/fp32 dtype."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must be rank {ndim} {layout}, got shape {tuple(x.shape)}")
-    dtype = np.dtype(x.dtype)
-    if dtype not in FLOAT_DTYPES:
-        # float8, float64, complex, integers and bool alike: the kernels and the
-        # XLA path compute in float32 from these three input types only.
-        raise TypeError(
-            f"{name} must be floating point ({_FLOAT_NAMES}), got dtype {dtype}; cast it, "
-            f"e.g. {name}.astype(jnp.bfloat16) or .astype(jnp.float32)"
-        )
-    return tuple(int(d) for d in x.shape)
-
-
-def _expect(x, name: str, expected: tuple[int, ...], layout: str):
-    if tuple(x.shape) != expected:
-        raise ValueError(f"{name} must have shape {expected} {layout}, got {tuple(x.shape)}")
-
-
-def _check_inputs(q, k, v, g, beta) -> _Dims:
-    """Shapes and dtypes of q, k, v, g, beta; the sizes they agree on."""
-    b, t, h, kd = _array(q, "q", 4, "[B, T, H, K]")
-    _array(k, "k", 4, "[B, T, H, K]")
-    _expect(k, "k", (b, t, h, kd), "[B, T, H, K] like q")
-    _, _, hv, vd = _array(v, "v", 4, "[B, T, HV, V]")
-    _expect(v, "v", (b, t, hv, vd), "[B, T, HV, V] (B, T as q)")
-    dims = _Dims(b, t, h, hv, kd, vd)
-    _check_head_sizes(dims)
-    _array(g, "g", 4, "[B, T, HV, K]")
-    _expect(g, "g", (b, t, hv, kd), "[B, T, HV, K]")
-    _array(beta, "beta", 3, "[B, T, HV]")
-    _expect(beta, "beta", (b, t, hv), "[B, T, HV]")
-    return dims
-
-
-def _check_head_sizes(dims: _Dims):
-    """H, HV, K and V must be positive, HV a multiple of H. (B = 0 and T = 0
-    are fine: no sequence, or no token, give an exact empty result.)"""
-    for size, what, where in ((dims.h, "H (q/k heads)", "q.shape[2]"),
-                              (dims.hv, "HV (value heads)", "v.shape[2]"),
-                              (dims.kd, "K (key head size)", "q.shape[3]"),
-                              (dims.vd, "V (value head size)", "v.shape[3]")):
-        if size == 0:
-            raise ValueError(
-                f"{what}={size} ({where}) must be >= 1: each head carries a [K, V] state, "
-                "and a call with no heads or an empty head dimension computes nothing; "
-                "skip the call instead"
-            )
-    if dims.hv % dims.h:
-        raise ValueError(
-            f"the value heads HV={dims.hv} (v.shape[2]) must be a multiple of the q/k heads "
-            f"H={dims.h}"
-        )
-
-
-def _flag(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
-
-
-def _check_flags(**flags) -> dict[str, bool]:
-    return {name: _flag(value, name) for name, value in flags.items()}
-
-
-def _check_static_number(value, name: str):
-    if isinstance(value, jax.Array):  # tracers are jax.Arrays too
-        raise TypeError(
-            f"{name} must be a Python number (it is fixed at trace time), got a {type(value).__name__}"
-        )
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    return float(value)
-
-
-def _check_chunk_size(chunk_size) -> int:
-    """A Python int (or NumPy integer, as elsewhere in the API) of CHUNK_SIZES:
-    it picks the compiled kernels, so it is fixed at trace time."""
-    if (isinstance(chunk_size, (bool, np.bool_, jax.Array))
-            or not isinstance(chunk_size, (int, np.integer))):
-        raise TypeError(
-            f"chunk_size must be a Python int, 32 or 64 (it is fixed at trace time), got "
-            f"{chunk_size!r} ({type(chunk_size).__name__}); pass chunk_size=32 or 64"
-        )
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size={int(chunk_size)} must be 32 or 64")
-    return int(chunk_size)
-
-
-def _check_scale(scale, kd: int) -> float:
-    if scale is None:
-        return kd**-0.5
-    scale = _check_static_number(scale, "scale")
-    if not np.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale={scale} must be a positive finite number")
-    return scale
-
-
-def _check_gate(use_gate_in_kernel: bool, A_log, dt_bias, lower_bound, dims: _Dims):
-    """The in-kernel gate's arguments; returns lower_bound as a float or None."""
-    if not use_gate_in_kernel:
-        for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
-            if value is not None:
-                raise ValueError(
-                    f"{name} is only used with use_gate_in_kernel=True, got {name}="
-                    f"{value if name == 'lower_bound' else 'an array'} with "
-                    "use_gate_in_kernel=False; drop it or enable the in-kernel gate"
-                )
-        return None
-    if lower_bound is not None:
-        lower_bound = _check_static_number(lower_bound, "lower_bound")
-        if not -5.0 <= lower_bound < 0.0:
-            raise ValueError(f"lower_bound={lower_bound} must lie in [-5, 0)")
-    elif A_log is None:
-        raise ValueError(
-            "use_gate_in_kernel=True with lower_bound=None needs A_log [HV] "
-            "(g_eff = -exp(A_log) * softplus(g + dt_bias)); pass A_log or set lower_bound"
-        )
-    if A_log is not None:
-        _array(A_log, "A_log", 1, "[HV]")
-        _expect(A_log, "A_log", (dims.hv,), "[HV]")
-    if dt_bias is not None:
-        _array(dt_bias, "dt_bias", 1, "[HV * K]")
-        _expect(dt_bias, "dt_bias", (dims.hv * dims.kd,), "[HV * K]")
-    return lower_bound
-
-
-def _check_implementation(implementation):
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is unknown; use None (best available), "
-            f"{' or '.join(repr(i) for i in IMPLEMENTATIONS)}"
-        )
-
-
-def _resolve_bounds(cu_seqlens, dims: _Dims, chunk_size: int | None
-                    ) -> SeqBounds | VarlenBatch | None:
-    """Host bounds over the flattened B * T tokens, the bucketed batch, or None
-    for B = 0 without cu_seqlens (no sequence). ``chunk_size``: chunk_kda's (a
-    batch must be built for it), None for fused_recurrent_kda (any serves)."""
-    b, t = dims.b, dims.t
-    if cu_seqlens is None:
-        return SeqBounds.from_lengths(np.full(b, t, np.int64)) if b else None
-    if isinstance(cu_seqlens, VarlenBatch):
-        bucket = cu_seqlens.bucket
-        if b != 1 or t != bucket.max_tokens:
-            raise ValueError(
-                f"with a VarlenBatch as cu_seqlens, q, k, v, g, beta must be [1, "
-                f"max_tokens={bucket.max_tokens}, ...] (tokens packed along T, padded to the "
-                f"bucket), got B={b}, T={t}; pad them with batch.pad_tokens(x)"
-            )
-        if chunk_size is not None and bucket.chunk_size != chunk_size:
-            raise ValueError(
-                f"chunk_size={chunk_size} differs from the VarlenBatch's bucket chunk_size="
-                f"{bucket.chunk_size} (its chunk table is built for that size); pass "
-                f"chunk_size={bucket.chunk_size} or build the batch with "
-                f"kda_jax.Bucket(..., chunk_size={chunk_size})"
-            )
-        return cu_seqlens
-    _check_unmapped_bounds(cu_seqlens)
-    bounds = as_seq_bounds(cu_seqlens)
-    if b != 1:
-        raise ValueError(
-            f"with cu_seqlens the batch must be packed along T with B == 1, got B={b}; "
-            "reshape q, k, v, g, beta to [1, B * T, ...]"
-        )
-    if bounds.total_tokens != t:
-        raise ValueError(
-            f"cu_seqlens[-1]={bounds.total_tokens} must equal the number of tokens T={t}"
-        )
-    return bounds
-
-
-def _check_unmapped_bounds(cu_seqlens):
-    """cu_seqlens mapped by jax.vmap (a batch tracer) is refused with the
-    fixes: the bounds are host data, one set for every mapped element."""
-    if isinstance(cu_seqlens, jax.core.Tracer) and type(cu_seqlens).__name__ == "BatchTracer":
-        raise ValueError(
-            "cu_seqlens is mapped by jax.vmap: the bounds are host data, fixed at trace time "
-            "and shared by every mapped element. Pass them unmapped (close over them, or "
-            "in_axes=None for a NumPy array); for bounds that differ per element, pack all "
-            "elements' sequences into one call (concatenate the tokens along T and their "
-            "bounds into one cu_seqlens) instead of mapping"
-        )
-
-
-def _sequence_slots(bounds, cu_seqlens) -> tuple[int, str]:
-    """(N, what N is) for messages about arrays with one entry per sequence."""
-    if isinstance(bounds, VarlenBatch):
-        return num_seqs(bounds), "the bucket's max_seqs"
-    if cu_seqlens is not None:
-        return num_seqs(bounds), "the number of sequences in cu_seqlens"
-    return (0 if bounds is None else num_seqs(bounds)), "B"
-
-
-def _check_initial_state(initial_state, n: int, what: str, dims: _Dims, v_first: bool):
-    if initial_state is None:
-        return
-    state_shape = (n, dims.hv, dims.vd, dims.kd) if v_first else (n, dims.hv, dims.kd, dims.vd)
-    layout = "[N, HV, V, K] (state_v_first)" if v_first else "[N, HV, K, V]"
-    _array(initial_state, "initial_state", 4, layout)
-    if tuple(initial_state.shape) != state_shape:
-        raise ValueError(
-            f"initial_state must have shape {state_shape} {layout} with N = {what} = {n}, "
-            f"got {tuple(initial_state.shape)}"
-        )
-
-
-# -- the paged state pool ------------------------------------------------------
-
-
-def _int_vector(x, name: str, n: int, what: str, kind: str):
-    """Checks an index-like array ``[N]``; ``kind`` is "int" or "bool"."""
-    wanted = "an int32" if kind == "int" else "a bool"
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(
-            f"{name} must be {wanted} array [N] (NumPy or jax), got {type(x).__name__}; "
-            f"pass np.asarray({name}, {'np.int32' if kind == 'int' else 'bool'})"
-        )
-    if tuple(x.shape) != (n,):
-        raise ValueError(
-            f"{name} must have shape ({n},) [N], one entry per sequence with N = {what} = {n}, "
-            f"got {tuple(x.shape)}"
-        )
-    dtype = np.dtype(x.dtype)
-    ok = dtype == np.bool_ if kind == "bool" else (np.issubdtype(dtype, np.integer)
-                                                   and dtype != np.bool_)
-    if not ok:
-        raise TypeError(f"{name} must be {wanted} array [N], got dtype {dtype}")
-
-
-def _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
-                          output_final_state: bool):
-    """Which pool arguments go together: indices only with a pool, a pool
-    neither with initial_state nor with output_final_state."""
-    if state_cache is None:
-        for name, value in (("state_indices", state_indices),
-                            ("has_initial_state", has_initial_state)):
-            if value is not None:
-                raise ValueError(
-                    f"{name} is only used with state_cache (the paged state pool), got "
-                    f"{name} without state_cache; pass state_cache too, or drop {name}"
-                )
-        return
-    if initial_state is not None:
-        raise ValueError(
-            "initial_state and state_cache were both passed; with state_cache the initial "
-            "states are read from state_cache[state_indices]: write them into the pool's "
-            "rows and drop initial_state (or drop state_cache)"
-        )
-    if output_final_state:
-        raise ValueError(
-            "output_final_state=True and state_cache were both passed; with state_cache the "
-            "final states are written into the pool and the call returns "
-            "(o, new_state_cache): drop output_final_state"
-        )
-
-
-def _check_cache(state_cache, dims: _Dims, v_first: bool) -> int:
-    """The pool's layout and dtype; returns its slot count."""
-    layout = "[slots, HV, V, K] (state_v_first)" if v_first else "[slots, HV, K, V]"
-    _array(state_cache, "state_cache", 4, layout)
-    row = (dims.hv, dims.vd, dims.kd) if v_first else (dims.hv, dims.kd, dims.vd)
-    if tuple(state_cache.shape[1:]) != row or state_cache.shape[0] < 1:
-        raise ValueError(
-            f"state_cache must have shape (slots, {', '.join(map(str, row))}) {layout} with "
-            f"slots >= 1, got {tuple(state_cache.shape)}"
-        )
-    if np.dtype(state_cache.dtype) != np.float32:
-        raise TypeError(
-            f"state_cache must be float32 (states are kept and written in float32), got dtype "
-            f"{np.dtype(state_cache.dtype)}; allocate the pool with dtype=float32"
-        )
-    return int(state_cache.shape[0])
-
-
-def _real_slots(bounds) -> int | None:
-    """How many leading sequence slots are real sequences, where the host knows:
-    all of them for host bounds, the header's count for a NumPy batch, None for
-    a batch on the device (reading it would be a device-to-host transfer)."""
-    if not isinstance(bounds, VarlenBatch):
-        return 0 if bounds is None else num_seqs(bounds)  # None: B = 0, no sequence
-    if isinstance(bounds.metadata, np.ndarray):
-        return int(bounds.metadata[bounds.bucket.offset("header")])
-    return None
-
-
-def _check_host_indices(idx: np.ndarray, slots: int, real: int) -> np.ndarray:
-    """NumPy indices: the first ``real`` entries must name distinct rows in
-    [0, slots) or be negative (padding); the rest are padding slots of a batch
-    and become -1 unseen. Returns them as int32, every padding slot -1."""
-    live = idx[:real]
-    past = np.flatnonzero(live >= slots)  # compared in idx's own dtype: nothing wraps
-    if past.size:
-        i = int(past[0])
-        raise ValueError(
-            f"state_indices[{i}]={int(live[i])} is >= slots={slots} (state_cache.shape[0]); "
-            "use a row in [0, slots), or -1 for a padding slot"
-        )
-    rows = np.where(live < 0, -1, live).astype(np.int64)
-    named, counts = np.unique(rows, return_counts=True)
-    shared = np.flatnonzero((named >= 0) & (counts > 1))
-    if shared.size:
-        row = int(named[shared[0]])
-        at = np.flatnonzero(rows == row)[:4].tolist()
-        raise ValueError(
-            f"state_indices names row {row} more than once (at positions {at}); two "
-            "sequences cannot share a pool row (which final state lands there would be "
-            "undefined): give each sequence its own row, or -1 for padding"
-        )
-    out = np.full(idx.shape, -1, np.int32)
-    out[:real] = rows
-    return out
-
-
-def _check_pool(state_cache, state_indices, has_initial_state, *, bounds, n, what,
-                dims: _Dims, v_first: bool) -> state_pool.StatePool | None:
-    """The pool's arrays; returns a StatePool (int32 indices) or None.
-
-    NumPy indices are checked on the host: with host bounds all N of them,
-    with a NumPy VarlenBatch the real sequences' (the header's count; the
-    padded slots' are ignored, as on the device). With a batch already on the
-    device the real count is unknown here, so NumPy indices are then treated
-    as device indices are: only shape and dtype are checked; an index outside
-    [0, slots) is padding, a row named twice is undefined. Indices wider than
-    int32 are narrowed with out-of-range entries made -1 first, on the host or
-    on the device (pool.narrow_indices), so a large index never wraps onto a row.
-    """
-    if state_cache is None:
-        return None
-    slots = _check_cache(state_cache, dims, v_first)
-    if state_indices is None:
-        raise ValueError(
-            "state_cache needs state_indices: an int32 array [N] naming each sequence's row "
-            "of the pool (negative for a padding slot)"
-        )
-    _int_vector(state_indices, "state_indices", n, what, "int")
-    if isinstance(state_indices, np.ndarray):
-        real = _real_slots(bounds)
-        if real is None:
-            state_indices = state_pool.narrow_indices(state_indices, slots)
-        else:
-            state_indices = _check_host_indices(state_indices, slots, real)
-    else:
-        state_indices = state_pool.narrow_indices(state_indices, slots)
-    if has_initial_state is not None:
-        _int_vector(has_initial_state, "has_initial_state", n, what, "bool")
-    return state_pool.StatePool(state_cache, state_indices, has_initial_state)
-
-
-def _check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
-                cu_seqlens, implementation, state_cache=None, state_indices=None,
-                has_initial_state=None, context_devices: int = 1):
-    """Validates one call; returns (options, bounds, pool or None).
-
-    ``chunk_size``: chunk_kda's, checked (:func:`_check_chunk_size`), or None
-    for fused_recurrent_kda. ``bounds``
-    is None when B = 0 without cu_seqlens: the call has no sequence.
-    ``context_devices``: the devices of chunk_kda's context axis (1 without
-    one); the bounds then cover all of them (T per device x devices).
-    """
-    dims = _check_inputs(q, k, v, g, beta)
-    flags = _check_flags(
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first,
-    )
-    scale = _check_scale(scale, dims.kd)
-    lower_bound = _check_gate(flags["use_gate_in_kernel"], A_log, dt_bias, lower_bound, dims)
-    _check_implementation(implementation)
-
-    bounds = _resolve_bounds(cu_seqlens, dims._replace(t=dims.t * context_devices), chunk_size)
-    n, what = _sequence_slots(bounds, cu_seqlens)
-    _check_initial_state(initial_state, n, what, dims, flags["state_v_first"])
-    _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
-                          flags["output_final_state"])
-    pool = _check_pool(state_cache, state_indices, has_initial_state, bounds=bounds, n=n,
-                       what=what, dims=dims, v_first=flags["state_v_first"])
-    opts = KdaOptions(
-        scale=float(scale), lower_bound=lower_bound,
-        chunk_size=CHUNK_SIZES[-1] if chunk_size is None else chunk_size, **flags,
-    )
-    return opts, bounds, pool
-
 
 def _no_sequence(q, v, opts: KdaOptions, pool):
     """The exact result of a call with B = 0 (no sequence): empty o and, as
@@ -474,9 +55,14 @@ def _choose_backend(implementation: str | None, q, v) -> str:
     if implementation == "xla":
         return "xla"
     if implementation == "triton":
-        reason = kda_triton.unavailable_reason() or _triton_limits(q, v)
+        # The machine lacks Triton: RuntimeError; the call's shapes exceed the
+        # kernels: ValueError, as for any other bad argument.
+        reason = kda_triton.unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"implementation='triton' cannot run this call: {reason}")
+        reason = _triton_limits(q, v)
+        if reason is not None:
+            raise ValueError(f"implementation='triton' cannot run this call: {reason}")
         return "triton"
     # None: Triton on a GPU where it can serve the call, else XLA.
     if (not kda_triton.interpret_mode() and kda_triton.available()
@@ -623,6 +209,8 @@ _ARGS_DOC = """
         starts from zeros and never reads its row (which may hold garbage);
         the row still receives its final state.
       implementation: None (best available), ``"xla"`` or ``"triton"``.
+        ``"triton"`` raises RuntimeError on a machine where Triton cannot run
+        (no GPU, no jax-triton) and ValueError for K or V over 256.
 
     Returns:
       ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32
@@ -636,8 +224,9 @@ _ARGS_DOC = """
     ``jax.vmap`` (the mapped axis folded into one launch, docs/sharding.md);
     the serving forms (a ``state_cache`` or a VarlenBatch) are forward only
     and unbatchable, and fused_recurrent_kda is forward only: grad, jvp and
-    vmap of those raise ``NotImplementedError`` subclasses of
-    :mod:`kda_jax.triton.forward_only` naming the form and the alternative.
+    vmap of those raise ``kda_jax.NotDifferentiableError`` /
+    ``kda_jax.NotBatchableError`` (``NotImplementedError`` subclasses) naming
+    the form and the alternative.
     A ``cu_seqlens`` mapped by ``jax.vmap`` raises ValueError (bounds are host
     data). Inside ``jax.shard_map`` both paths run each device's shard, with
     q..beta split over B and/or over heads (H and HV together).
@@ -652,14 +241,14 @@ def chunk_kda(
     has_initial_state=None, implementation=None, context_axis=None,
 ):
     devices = context_parallel.axis_devices(context_axis, cu_seqlens)
-    opts, bounds, pool = _check_call(
+    opts, bounds, pool = check_call(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-        chunk_size=_check_chunk_size(chunk_size), cu_seqlens=cu_seqlens,
+        chunk_size=check_chunk_size(chunk_size), cu_seqlens=cu_seqlens,
         implementation=implementation,
         state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, context_devices=devices,
@@ -719,7 +308,7 @@ def fused_recurrent_kda(
     state_v_first=False, cu_seqlens=None, state_cache=None, state_indices=None,
     has_initial_state=None, implementation=None,
 ):
-    opts, bounds, pool = _check_call(
+    opts, bounds, pool = check_call(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -127,12 +127,23 @@ class VarlenBatch:
         return jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
 
     def pad_tokens(self, x, axis: int = 1):
-        """``x`` zero-padded along ``axis`` (the token axis) to ``bucket.max_tokens``
-        (NumPy in, NumPy out; jax in, jax out)."""
+        """``x`` zero-padded along ``axis`` (the token axis: 1 for q, k, v, g
+        ``[1, T, ...]`` and beta ``[1, T, HV]``) to ``bucket.max_tokens`` (NumPy
+        in, NumPy out; jax in, jax out). With host metadata, x must hold the
+        batch's real token count on that axis."""
+        if not -x.ndim <= axis < x.ndim:
+            raise ValueError(f"axis={axis} is out of range for x of shape {tuple(x.shape)}")
         t = x.shape[axis]
         if t > self.bucket.max_tokens:
             raise ValueError(f"x has {t} tokens on axis {axis}, more than the bucket's "
                              f"max_tokens={self.bucket.max_tokens}")
+        if isinstance(self.metadata, np.ndarray):
+            real = int(self.metadata[self.bucket.offset("header") + 1])
+            if t != real:
+                raise ValueError(
+                    f"x has {t} tokens on axis {axis} (shape {tuple(x.shape)}), the batch "
+                    f"holds {real}; pass the real tokens (x of shape [1, {real}, ...] with "
+                    "axis=1)")
         widths = [(0, 0)] * x.ndim
         widths[axis] = (0, self.bucket.max_tokens - t)
         return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)

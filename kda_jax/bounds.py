@@ -70,14 +70,19 @@ class SeqBounds:
 
     @classmethod
     def from_lengths(cls, lengths: np.ndarray | Sequence[int]) -> "SeqBounds":
-        """Builds bounds from per-sequence lengths ``[N]`` (zeros allowed)."""
+        """Builds bounds from per-sequence lengths ``[N]``, N >= 1 (zeros allowed)."""
+        _refuse_device_data(lengths, "lengths")
         lens = np.asarray(lengths)
-        if lens.ndim != 1 or not _is_integer_array(lens):
-            raise ValueError(
-                f"lengths must be a 1-D integer array, got shape {lens.shape} "
-                f"dtype {lens.dtype}"
+        if lens.ndim != 1:
+            raise ValueError(f"lengths must be 1-D [N], got shape {lens.shape}")
+        if lens.size == 0:
+            raise ValueError(f"lengths is empty: {_NO_SEQUENCE}")
+        if not _is_integer_array(lens):
+            raise TypeError(
+                f"lengths must hold integers, got dtype {lens.dtype}; pass e.g. "
+                "np.array([5, 7], dtype=np.int32)"
             )
-        if lens.size and lens.min() < 0:
+        if lens.min() < 0:
             raise ValueError(f"lengths must be >= 0, got {lens.tolist()}")
         return cls(np.concatenate([[0], np.cumsum(lens.astype(np.int64))]))
 
@@ -138,7 +143,13 @@ def _is_integer_array(a: np.ndarray) -> bool:
     return np.issubdtype(a.dtype, np.integer) and a.dtype != np.bool_
 
 
+# Why bounds need a sequence, and what to do instead.
+_NO_SEQUENCE = ("bounds need at least one sequence; a call with none has nothing to compute, "
+                "so skip it (inputs with B = 0 and no cu_seqlens return empty results)")
+
+
 def _validated_cu(cu_seqlens) -> np.ndarray:
+    _refuse_device_data(cu_seqlens, "cu_seqlens")
     cu = np.asarray(cu_seqlens)
     if cu.dtype == object or not _is_integer_array(cu) and cu.size:
         raise TypeError(
@@ -148,10 +159,8 @@ def _validated_cu(cu_seqlens) -> np.ndarray:
     if cu.ndim != 1:
         raise ValueError(f"cu_seqlens must be 1-D [N + 1], got shape {cu.shape}")
     if cu.shape[0] < 2:
-        raise ValueError(
-            f"cu_seqlens must hold N + 1 >= 2 entries (at least one sequence), "
-            f"got {cu.tolist()}"
-        )
+        raise ValueError(f"cu_seqlens must hold N + 1 >= 2 entries, got {cu.tolist()}: "
+                         f"{_NO_SEQUENCE}")
     cu = cu.astype(np.int64)
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got cu_seqlens={_short(cu)}")
@@ -184,17 +193,7 @@ def as_seq_bounds(cu_seqlens) -> SeqBounds:
         return cu_seqlens
     if isinstance(cu_seqlens, (np.ndarray, list, tuple)):
         return SeqBounds(cu_seqlens)
-    kind = type(cu_seqlens).__name__
-    if _is_jax_value(cu_seqlens):
-        raise TypeError(
-            f"cu_seqlens is a {kind} (device data). kda_jax builds its varlen "
-            "metadata on the host at trace time, so reading device bounds back "
-            "would stall every step. Pass the bounds as host data: a NumPy array, "
-            "a list/tuple, or kda_jax.SeqBounds (hashable; usable as a jax.jit "
-            "static argument). For bounds that change every step without a "
-            "recompile, pass kda_jax.VarlenBatch.build(host_bounds, bucket) as a "
-            "jit argument: the bucketed form, whose metadata is a runtime array."
-        )
+    _refuse_device_data(cu_seqlens, "cu_seqlens")
     if type(cu_seqlens).__name__ == "VarlenBatch":  # e.g. given to the reference
         raise TypeError(
             "a VarlenBatch (the bucketed form) is taken by chunk_kda and "
@@ -203,7 +202,7 @@ def as_seq_bounds(cu_seqlens) -> SeqBounds:
         )
     raise TypeError(
         f"cu_seqlens must be a NumPy array, a list/tuple of ints or a "
-        f"kda_jax.SeqBounds, got {kind}"
+        f"kda_jax.SeqBounds, got {type(cu_seqlens).__name__}"
     )
 
 
@@ -212,6 +211,20 @@ def _is_jax_value(x) -> bool:
     return any(
         c.__module__.startswith(("jax", "jaxlib")) for c in type(x).__mro__
     )
+
+
+def _refuse_device_data(x, name: str):
+    """Bounds are host data: a jax.Array or tracer raises TypeError."""
+    if _is_jax_value(x):
+        raise TypeError(
+            f"{name} is a {type(x).__name__} (device data). kda_jax builds its varlen "
+            "metadata on the host at trace time, so reading device bounds back "
+            "would stall every step. Pass the bounds as host data: a NumPy array, "
+            "a list/tuple, or kda_jax.SeqBounds (hashable; usable as a jax.jit "
+            "static argument). For bounds that change every step without a "
+            "recompile, pass kda_jax.VarlenBatch.build(host_bounds, bucket) as a "
+            "jit argument: the bucketed form, whose metadata is a runtime array."
+        )
 
 
 # --------------------------------------------------------------------------- #

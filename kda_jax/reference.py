@@ -12,6 +12,7 @@ import numpy as np
 
 from kda_jax import transforms, vma
 from kda_jax.bounds import as_seq_bounds
+from kda_jax.checks import check_call
 
 __all__ = ["naive_recurrent_kda"]
 
@@ -68,11 +69,18 @@ def naive_recurrent_kda(
       ``(o, final_state)``: o float32 ``[B, T, HV, V]``; final_state float32 in the
       state layout, or None unless ``output_final_state``.
 
-    Inputs are not validated here; use :func:`kda_jax.chunk_kda` for checked calls.
+    Arguments are checked as :func:`kda_jax.chunk_kda`'s (kda_jax.checks).
     """
+    opts, _, _ = check_call(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, chunk_size=None,
+        cu_seqlens=cu_seqlens, implementation="xla")
+    scale = opts.scale
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
-    scale = kd**-0.5 if scale is None else float(scale)
     q, k, g, beta = transforms.prepare_inputs(
         q, k, g, beta,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -16,6 +16,10 @@ from kda_jax import triton as kda_triton
 from kda_jax.testing import make_inputs
 
 FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
+# The reference takes the same checks (kda_jax.checks), less the arguments it lacks.
+CHECKED = {**FNS, "reference": kda_jax.naive_recurrent_kda}
+REFERENCE_LACKS = ("implementation", "state_cache", "state_indices", "has_initial_state",
+                   "chunk_size")
 B, T, H, HV, K, V = 1, 10, 2, 4, 8, 12
 
 
@@ -87,7 +91,7 @@ SHAPE_CASES = {
 }
 
 
-@pytest.mark.parametrize("fn", FNS.values(), ids=FNS.keys())
+@pytest.mark.parametrize("fn", CHECKED.values(), ids=CHECKED.keys())
 @pytest.mark.parametrize("name", SHAPE_CASES)
 def test_bad_arrays(name, fn):
     change, error, match = SHAPE_CASES[name]
@@ -163,10 +167,15 @@ for _flag in FLAGS:
     CALL_CASES[f"{_flag}-None"] = (None, {_flag: None}, TypeError, rf"{_flag} must be a bool, got None")
 CALL_CASES["flag-np-array"] = (None, dict(allow_neg_eigval=np.array([True])), TypeError,
                                r"allow_neg_eigval must be a bool, got array")
+CALL_CASES["neg-eigval-without-sigmoid"] = (
+    None, dict(allow_neg_eigval=True), ValueError,
+    r"allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
 
 
-@pytest.mark.parametrize("fn", FNS.values(), ids=FNS.keys())
-@pytest.mark.parametrize("name", CALL_CASES)
+@pytest.mark.parametrize("fn,name", [
+    pytest.param(fn, name, id=f"{name}-{fn_id}")
+    for name, (_, kw, _, _) in CALL_CASES.items() for fn_id, fn in CHECKED.items()
+    if fn_id != "reference" or not set(kw) & set(REFERENCE_LACKS)])
 def test_bad_call(name, fn):
     batch, kw, error, match = CALL_CASES[name]
     x, args = _base(B=2) if batch == "B2" else (x0, a0)
@@ -232,12 +241,12 @@ def test_chunk_triton_unavailable_raises_with_the_reason(monkeypatch):
 def test_chunk_triton_head_dim_limit():
     """K beyond the Triton kernels' limit: implementation='triton' raises with a reason."""
     x = make_inputs(0, B=1, T=10, H=2, K=300, V=8)
-    with pytest.raises(RuntimeError, match=r"implementation='triton' cannot run this call: "):
+    with pytest.raises(ValueError, match=r"implementation='triton' cannot run this call: "):
         kda_jax.chunk_kda(*x.args(), implementation="triton")
 
 
-# Every array argument takes bf16, fp16 or fp32 only; float8 used to pass the
-# "floating point" check and crash the Triton path, float64 narrowed silently.
+# Every array argument takes bf16, fp16 or fp32 only: float8 is floating point
+# but no kernel reads it, and float64 would be narrowed silently.
 _ARRAY_ARGS = {
     "q": lambda dt: dict(q=a0["q"].astype(dt)),
     "k": lambda dt: dict(k=a0["k"].astype(dt)),

@@ -71,10 +71,25 @@ def test_from_lengths():
     assert SeqBounds.from_lengths(np.array([7], np.int32)) == SeqBounds([0, 7])
     with pytest.raises(ValueError, match=r"lengths must be >= 0.*-1"):
         SeqBounds.from_lengths([3, -1])
-    with pytest.raises(ValueError, match=r"lengths must be a 1-D integer array.*float"):
+    with pytest.raises(TypeError, match=r"lengths must hold integers, got dtype float64"):
         SeqBounds.from_lengths([1.5, 2.0])
-    with pytest.raises(ValueError, match=r"lengths must be a 1-D integer array.*\(1, 2\)"):
+    with pytest.raises(ValueError, match=r"lengths must be 1-D \[N\], got shape \(1, 2\)"):
         SeqBounds.from_lengths([[1, 2]])
+    with pytest.raises(ValueError, match=r"lengths is empty: bounds need at least one sequence"):
+        SeqBounds.from_lengths([])
+    with pytest.raises(ValueError, match=r"N \+ 1 >= 2 entries, got \[0\].*skip it"):
+        SeqBounds([0])
+
+
+def test_device_bounds_are_refused_by_every_constructor():
+    """SeqBounds(...), from_lengths and as_seq_bounds take host data only."""
+    import jax.numpy as jnp
+
+    from kda_jax.bounds import as_seq_bounds
+    for make, name in ((SeqBounds, "cu_seqlens"), (SeqBounds.from_lengths, "lengths"),
+                       (as_seq_bounds, "cu_seqlens")):
+        with pytest.raises(TypeError, match=rf"{name} is a .*\(device data\).*host data"):
+            make(jnp.asarray([0, 3, 5]))
 
 
 @given(LENGTHS)

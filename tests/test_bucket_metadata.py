@@ -182,6 +182,14 @@ def test_pad_tokens():
     assert isinstance(batch.pad_tokens(jnp.asarray(x)), jax.Array)
     with pytest.raises(ValueError, match=r"x has 9 tokens on axis 1, more than the bucket's"):
         batch.pad_tokens(np.ones((1, 9, 2)))
+    with pytest.raises(ValueError, match=r"x has 6 tokens on axis 1 .*the batch holds 5"):
+        batch.pad_tokens(np.ones((1, 6, 2)))
+    with pytest.raises(ValueError, match=r"x has 2 tokens on axis 1 \(shape \(5, 2, 4\)\)"):
+        batch.pad_tokens(np.ones((5, 2, 4)))  # no batch axis: axis 1 is the heads
+    with pytest.raises(ValueError, match=r"axis=3 is out of range"):
+        batch.pad_tokens(x, axis=3)
+    # A batch on the device: its real count is device data, not checked.
+    assert jax.device_put(batch).pad_tokens(np.ones((1, 6, 2))).shape == (1, 8, 2)
 
 
 def test_device_bounds_error_names_the_bucketed_form():
@@ -222,7 +230,7 @@ def test_from_lengths_reuses_a_read_only_buffer():
     c = VarlenBatch.from_lengths([1, 2, 1, 1, 1], bucket)
     assert c.metadata is not a.metadata and (c.metadata[1], a.metadata[1]) == (6, 5)  # tokens
     # Not integers: named, not rounded into a cached entry.
-    with pytest.raises(ValueError, match=r"1-D integer array"):
+    with pytest.raises(TypeError, match=r"lengths must hold integers"):
         VarlenBatch.from_lengths([1.5, 2.0], bucket)
     with pytest.raises(ValueError, match=r"lengths must be >= 0"):
         VarlenBatch.from_lengths([3, -1], bucket)

@@ -18,7 +18,7 @@ import pytest
 import kda_jax
 from kda_jax import Bucket, VarlenBatch, reference, testing
 from kda_jax.triton import unavailable_reason
-from kda_jax.triton.forward_only import NotBatchableError, NotDifferentiableError
+from kda_jax import NotBatchableError, NotDifferentiableError
 
 NO_TRITON = unavailable_reason()
 needs_triton = pytest.mark.skipif(NO_TRITON is not None,

@@ -114,8 +114,8 @@ def test_a_device_batch_leaves_numpy_indices_unchecked(check_close):
 @pytest.mark.parametrize("fn,impl", COMBOS)
 @pytest.mark.parametrize("wide", [BIG, -(2**32) + 1], ids=["2**32+1", "-2**32+1"])
 def test_int64_device_indices_out_of_range_are_padding(wide, fn, impl, check_close):
-    """Under jax_enable_x64 an int64 device index outside [0, slots) is padding:
-    it used to be narrowed to int32 first, to row 1, which it then overwrote."""
+    """Under jax_enable_x64 an int64 device index outside [0, slots) is padding,
+    not narrowed to int32 first (2**32 + 1 would become row 1 and overwrite it)."""
     x, cu = _inputs()
     pool = _pool()
     with jax.enable_x64(True):

@@ -180,7 +180,7 @@ def test_triton_unavailable_raises_with_the_reason(monkeypatch):
 
 def test_head_dim_limit():
     x = testing.make_inputs(0, T=2, H=1, K=300, V=8)
-    with pytest.raises(RuntimeError, match=r"cannot run this call: .*K and V up to 256"):
+    with pytest.raises(ValueError, match=r"cannot run this call: .*K and V up to 256"):
         kda_jax.fused_recurrent_kda(*x.args(), implementation="triton")
 
 

@@ -22,7 +22,7 @@ import kda_jax
 from kda_jax import reference
 from kda_jax.testing import make_inputs
 from kda_jax.triton import unavailable_reason
-from kda_jax.triton.forward_only import NotBatchableError
+from kda_jax import NotBatchableError
 
 needs_triton = pytest.mark.skipif(unavailable_reason() is not None,
                                   reason="Triton path unavailable")

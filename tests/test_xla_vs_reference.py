@@ -87,7 +87,6 @@ CASES = [
     Case("beta-sigmoid-negeig", T=40, C=32, inputs=(("beta_logits", True),),
          flags=(("use_beta_sigmoid_in_kernel", True), ("allow_neg_eigval", True)),
          off=(("allow_neg_eigval", False),)),
-    Case("negeig", T=70, flags=(("allow_neg_eigval", True),), off=(("allow_neg_eigval", False),)),
     Case("state-v-first-V48", T=40, K=32, V=48, inputs=(("state_v_first", True),),
          flags=(("state_v_first", True),)),
     Case("no-initial-state", T=40, inputs=(("with_state", False),)),
