@@ -147,22 +147,22 @@ def chunk_kda_context(core, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     # devices' maps (every device computes all n - 1 steps; n is small).
     maps = [jax.lax.all_gather(x, axis) for x in (lane_E, lane_M, lane_bad)]
     S = jnp.zeros((b, hv, kd, vd), f32)
-    S_bad = jnp.zeros((b, hv), bool)
+    S_bad = jnp.zeros((b, hv, vd), bool)
     entering_state = [(S, S_bad)]
     for d in range(devices - 1):
         E_d, M_d, bad_d = (m[d] for m in maps)
         S_next, bad_next = apply_map(E_d, M_d, bad_d, S, S_bad)
         use = jnp.asarray(uses[d])
         S = jnp.where(use[:, None, None, None], S_next, E_d)
-        S_bad = jnp.where(use[:, None], bad_next, bad_d)
+        S_bad = jnp.where(use[:, None, None], bad_next, bad_d)
         entering_state.append((S, S_bad))
     S_in = jnp.stack([s for s, _ in entering_state])[index]  # [B, HV, K, V]
-    S_in_bad = jnp.stack([f for _, f in entering_state])[index]  # [B, HV]
+    S_in_bad = jnp.stack([f for _, f in entering_state])[index]  # [B, HV, V]
 
     o = o0 + jnp.einsum("blhk,bhkv->blhv", P, S_in, precision=jax.lax.Precision.HIGHEST)
     entering = jnp.arange(t)[None, :] < jnp.asarray(entering_len)[index][:, None]  # [B, L]
-    o_bad = o_bad | (entering[..., None] & S_in_bad[:, None, :])
-    o = jnp.where(o_bad[..., None], jnp.nan, o).astype(q.dtype)
+    o_bad = o_bad | (entering[..., None, None] & S_in_bad[:, None])
+    o = jnp.where(o_bad, jnp.nan, o).astype(q.dtype)
     if not opts.output_final_state:
         return o, None
 
@@ -175,12 +175,12 @@ def chunk_kda_context(core, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     lane_of = plans[0].lane
     S_seq, S_seq_bad = S_in[lane_of], S_in_bad[lane_of]  # [N, ...]
     value, value_bad = apply_map(fin_E, fin_M, fin_bad, S_seq, S_seq_bad)
-    read = jnp.asarray(reads)[index][:, None]
-    value = jnp.where(read[..., None, None], value, fin_E)
+    read = jnp.asarray(reads)[index][:, None, None]
+    value = jnp.where(read[..., None], value, fin_E)
     value_bad = jnp.where(read, value_bad, fin_bad)
     piece = jnp.asarray(has_piece)[index][:, None, None, None]
     value = jnp.where(piece, value, h_seq)  # an empty sequence keeps its initial state
-    value = jnp.where((value_bad & piece[..., 0, 0])[..., None, None], jnp.nan, value)
+    value = jnp.where((value_bad & piece[..., 0])[..., None, :], jnp.nan, value)
     mine = jnp.asarray(owns)[index][:, None, None, None]
     final = jax.lax.psum(jnp.where(mine, value, 0.0), axis)
     return o, finish(final)

@@ -17,10 +17,12 @@ start state, and one batched product corrects its outputs. Gradients are
 autodiff of this composition (the Triton call is differentiable).
 
 Non-finite inputs: a stretch whose outputs or map hold a NaN or an infinity
-(the backends poison a sequence from a bad token on) is carried as a flag, and
+(the backends poison a sequence from a bad token on) is carried as flags, and
 its values as zeros, through the fold and the correction; the flags put NaN
 on exactly the outputs and states the unsegmented call makes NaN, as selects,
-so no cotangent meets a NaN (the contract of docs/kda.md section 6).
+so no cotangent meets a NaN (the contract of docs/kda.md section 6). Flags are
+per value column: a bad token poisons every column of its head (M and P are
+bad), a non-finite initial state only its own columns (E and o0 are).
 
 This module: the augmented call, the map algebra, and the within-device
 schedule (:func:`chunk_segmented`, on a :class:`kda_jax.segments.SegmentPlan`).
@@ -45,31 +47,31 @@ __all__ = ["augmented_run", "apply_map", "compose", "chunk_segmented", "plan_cal
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _flagged(x, axes):
-    """(x with non-finite blocks zeroed, bool flag of each block): a block is
-    what ``axes`` reduce (e.g. one head's ``[K, V]`` state, or a token row)."""
-    bad = jnp.any(~jnp.isfinite(x), axis=axes)
-    expand = bad.reshape(bad.shape + (1,) * len(axes))
-    return jnp.where(expand, jnp.zeros((), x.dtype), x), bad
-
-
 def augmented_run(core, q, k, v, g, beta, h_aug, A_log, dt_bias, *, opts: KdaOptions, bounds):
     """One backend call over ``bounds`` with values ``[v | 0_K]`` from the
     states ``h_aug`` float32 ``[N, HV, K, V + K]`` (K-first).
 
     ``core(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts, bounds)``
     is a backend's chunk_kda. Returns ``(o0, o0_bad, P, E, M, map_bad)``:
-    o0 ``[B, T, HV, V]`` float32, P ``[B, T, HV, K]`` float32 (zeros on bad
-    rows), o0_bad bool ``[B, T, HV]``; E ``[N, HV, K, V]``, M ``[N, HV, K, K]``
-    float32 (zeros where bad), map_bad bool ``[N, HV]``.
+    o0 ``[B, T, HV, V]`` float32, P ``[B, T, HV, K]`` float32, o0_bad bool
+    ``[B, T, HV, V]``; E ``[N, HV, K, V]``, M ``[N, HV, K, K]`` float32,
+    map_bad bool ``[N, HV, V]``: per value column, set on every column of a
+    row of P or a map M that is not finite; the values are zeros where bad.
     """
     kd, vd = q.shape[-1], v.shape[-1]
     v_aug = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (kd,), v.dtype)], axis=-1)
     run_opts = dataclasses.replace(opts, output_final_state=True, state_v_first=False)
     o, final = core(q, k, v_aug, g, beta, h_aug, A_log, dt_bias, opts=run_opts, bounds=bounds)
-    o, o_bad = _flagged(o.astype(jnp.float32), (-1,))
-    final, map_bad = _flagged(final, (-2, -1))
-    return o[..., :vd], o_bad, o[..., vd:], final[..., :vd], final[..., vd:], map_bad
+    o = o.astype(jnp.float32)
+    o0, P, E, M = o[..., :vd], o[..., vd:], final[..., :vd], final[..., vd:]
+    p_bad = jnp.any(~jnp.isfinite(P), axis=-1)  # [B, T, HV]
+    m_bad = jnp.any(~jnp.isfinite(M), axis=(-2, -1))  # [N, HV]
+    o_bad = ~jnp.isfinite(o0) | p_bad[..., None]
+    map_bad = jnp.any(~jnp.isfinite(E), axis=-2) | m_bad[..., None]
+    zero = jnp.zeros((), jnp.float32)
+    return (jnp.where(o_bad, zero, o0), o_bad, jnp.where(p_bad[..., None], zero, P),
+            jnp.where(map_bad[..., None, :], zero, E), jnp.where(m_bad[..., None, None], zero, M),
+            map_bad)
 
 
 def augmented_states(h_left, identity, kd: int):
@@ -82,10 +84,11 @@ def augmented_states(h_left, identity, kd: int):
 
 
 def apply_map(E, M, bad, S, S_bad):
-    """``E + M @ S`` with flags: values zero where flagged, flag = either's."""
+    """``E + M @ S`` with per-column flags (``[..., V]``: M mixes the rows of
+    S, never its columns): values zero where flagged, flag = either's."""
     out = E + jnp.matmul(M, S, precision=_HI)
     flag = bad | S_bad
-    return jnp.where(flag[..., None, None], 0.0, out), flag
+    return jnp.where(flag[..., None, :], 0.0, out), flag
 
 
 def compose(earlier, later):
@@ -159,13 +162,13 @@ def chunk_segmented(core, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     eye = jnp.broadcast_to(jnp.eye(kd, dtype=f32), (1, hv, kd, kd))
     M_ext = jnp.concatenate([M, eye], axis=0)
     E_ext = jnp.concatenate([E, jnp.zeros((1, hv, kd, vd), f32)], axis=0)
-    bad_ext = jnp.concatenate([bad, jnp.zeros((1, hv), bool)], axis=0)
+    bad_ext = jnp.concatenate([bad, jnp.zeros((1, hv, vd), bool)], axis=0)
     lanes, steps = plan.fold.shape
     fold = jnp.asarray(plan.fold)
     maps = (M_ext[fold], E_ext[fold], bad_ext[fold])  # [L, steps, HV, ...]
     _, S_end, S_bad = jax.lax.associative_scan(compose, maps, axis=1)
     S_end = S_end.reshape((lanes * steps, hv, kd, vd))
-    S_bad = S_bad.reshape((lanes * steps, hv))
+    S_bad = S_bad.reshape((lanes * steps, hv, vd))
 
     # Outputs of the segments that start from a folded state: o0 + P @ S_start.
     c, rows = plan.corr_index.shape
@@ -173,26 +176,25 @@ def chunk_segmented(core, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     row_bad = o_bad
     if c:
         S_in = _take(S_end, plan.corr_start)  # [C, HV, K, V]
-        in_bad = _take(S_bad, plan.corr_start, False)  # [C, HV]
+        in_bad = _take(S_bad, plan.corr_start, False)  # [C, HV, V]
         P_slots = _take(P, plan.corr_index.reshape(-1)).reshape((c, rows, hv, kd))
         corr = jnp.einsum("crhk,chkv->crhv", P_slots, S_in, precision=_HI)
         o = o + _take(corr.reshape((c * rows, hv, vd)), plan.corr_slot)
-        in_bad = jnp.broadcast_to(in_bad[:, None], (c, rows, hv)).reshape((c * rows, hv))
+        in_bad = jnp.broadcast_to(in_bad[:, None], (c, rows, hv, vd)).reshape((c * rows, hv, vd))
         row_bad = row_bad | _take(in_bad, plan.corr_slot, False)
-    o = jnp.where(row_bad[..., None], jnp.nan, o).astype(q.dtype).reshape((b, t, hv, vd))
+    o = jnp.where(row_bad, jnp.nan, o).astype(q.dtype).reshape((b, t, hv, vd))
     if not opts.output_final_state:
         return o, None
 
     lane_last = S_end.reshape((lanes, steps, hv, kd, vd))[:, -1]
-    lane_bad = S_bad.reshape((lanes, steps, hv))[:, -1]
-    from_lane = jnp.asarray(plan.final_lane >= 0)[:, None]
-    from_seg = jnp.asarray(plan.final_segment >= 0)[:, None]
-    final = jnp.where(from_lane[..., None, None], _take(lane_last, plan.final_lane),
-                      jnp.where(from_seg[..., None, None], _take(E, plan.final_segment),
-                                h_seq))
+    lane_bad = S_bad.reshape((lanes, steps, hv, vd))[:, -1]
+    from_lane = jnp.asarray(plan.final_lane >= 0)[:, None, None]
+    from_seg = jnp.asarray(plan.final_segment >= 0)[:, None, None]
+    final = jnp.where(from_lane[..., None], _take(lane_last, plan.final_lane),
+                      jnp.where(from_seg[..., None], _take(E, plan.final_segment), h_seq))
     final_bad = jnp.where(from_lane, _take(lane_bad, plan.final_lane, False),
                           from_seg & _take(bad, plan.final_segment, False))
-    final = jnp.where(final_bad[..., None, None], jnp.nan, final)
+    final = jnp.where(final_bad[..., None, :], jnp.nan, final)
     if opts.state_v_first:
         final = jnp.swapaxes(final, -1, -2)
     return o, final

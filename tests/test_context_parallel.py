@@ -140,6 +140,24 @@ def test_nonfinite_on_a_device_boundary_piece(mesh):
     np.testing.assert_allclose(o[ok], uo[ok], rtol=1e-4, atol=1e-5)
 
 
+def test_nonfinite_initial_state_crosses_devices_by_column(mesh):
+    """A NaN in one entry of the initial state of sequence 1 (tokens 10..70,
+    over three devices): only that value column of its outputs and final
+    state is NaN, on every device, as unsharded."""
+    x = make_inputs(3, B=1, T=96, H=1, HV=2, K=16, V=16, N=len(CU) - 1)
+    x.initial_state[1, 0, 5, 7] = np.nan
+    cp, whole, _ = _compiled("xla", tuple(CU), DEVICES, ())
+    args, sharded_args = _placed(mesh, x)
+    o, f = (np.asarray(y) for y in cp(*sharded_args))
+    uo, uf = (np.asarray(y) for y in whole(*args))
+    np.testing.assert_array_equal(np.isnan(o), np.isnan(uo))
+    np.testing.assert_array_equal(np.isnan(f), np.isnan(uf))
+    assert np.isnan(o[0, 10:70, 0, 7]).all() and np.isnan(o).sum() == 60
+    assert np.isnan(f[1, 0, :, 7]).all() and np.isnan(f).sum() == 16
+    ok = ~np.isnan(uo)
+    np.testing.assert_allclose(o[ok], uo[ok], rtol=1e-4, atol=1e-5)
+
+
 def test_errors(mesh):
     x = make_inputs(4, B=1, T=96, H=1, K=16, V=16, N=1)
     args = x.args()

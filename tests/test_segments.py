@@ -312,6 +312,23 @@ def test_segmented_nonfinite_matches_unsegmented():
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+def test_nonfinite_initial_state_poisons_its_columns():
+    """A NaN in one entry (head 1, key 2, value column 3) of sequence 0's
+    initial state: that column of the sequence's outputs and final state is
+    NaN, the other columns are not, as unsegmented and in the recurrence (the
+    XLA composition's flags are per value column)."""
+    x = _inputs(4, T=140, N=4)
+    x.initial_state[0, 1, 2, 3] = np.nan
+    o, f, _ = (np.asarray(y) if y is not None else y for y in _run(x, CU, "xla", True, False))
+    uo, uf, _ = (np.asarray(y) if y is not None else y for y in _run(x, CU, "xla", False, False))
+    np.testing.assert_array_equal(np.isnan(o), np.isnan(uo))
+    np.testing.assert_array_equal(np.isnan(f), np.isnan(uf))
+    assert np.isnan(o[0, :70, 1, 3]).all() and np.isnan(f[0, 1, :, 3]).all()
+    assert np.isnan(o).sum() == 70 and np.isnan(f).sum() == 16
+    ok = ~np.isnan(uo)
+    np.testing.assert_allclose(o[ok], uo[ok], rtol=1e-4, atol=1e-5)
+
+
 def test_rule_picks_segments_automatically():
     """The Triton chain's tables (kda_jax.triton.state_chain.chain_tables)
     and the XLA path's plan (kda_jax.segmented.plan_call) follow the config's
