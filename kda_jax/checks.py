@@ -182,11 +182,12 @@ def _check_implementation(implementation):
         )
 
 
-def _resolve_bounds(cu_seqlens, dims: _Dims, chunk_size: int | None
+def _resolve_bounds(cu_seqlens, dims: _Dims, chunk_size: int | None, context_devices: int = 1
                     ) -> SeqBounds | VarlenBatch | None:
     """Host bounds over the flattened B * T tokens, the bucketed batch, or None
     for B = 0 without cu_seqlens (no sequence). ``chunk_size``: chunk_kda's (a
-    batch must be built for it), None for fused_recurrent_kda (any serves)."""
+    batch must be built for it), None for fused_recurrent_kda (any serves).
+    ``dims.t``: all devices' tokens with a context axis of ``context_devices``."""
     b, t = dims.b, dims.t
     if cu_seqlens is None:
         return SeqBounds.from_lengths(np.full(b, t, np.int64)) if b else None
@@ -216,6 +217,8 @@ def _resolve_bounds(cu_seqlens, dims: _Dims, chunk_size: int | None
     if bounds.total_tokens != t:
         raise ValueError(
             f"cu_seqlens[-1]={bounds.total_tokens} must equal the number of tokens T={t}"
+            + (f" ({t // context_devices} per device x {context_devices} devices of the "
+               "context axis: cu_seqlens are the global bounds)" if context_devices > 1 else "")
         )
     return bounds
 
@@ -428,7 +431,8 @@ def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
     lower_bound = _check_gate(flags["use_gate_in_kernel"], A_log, dt_bias, lower_bound, dims)
     _check_implementation(implementation)
 
-    bounds = _resolve_bounds(cu_seqlens, dims._replace(t=dims.t * context_devices), chunk_size)
+    bounds = _resolve_bounds(cu_seqlens, dims._replace(t=dims.t * context_devices), chunk_size,
+                             context_devices)
     n, what = _sequence_slots(bounds, cu_seqlens)
     _check_initial_state(initial_state, n, what, dims, flags["state_v_first"])
     _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,

@@ -59,9 +59,18 @@ def axis_devices(axis, cu_seqlens=None) -> int:
         ) from None
 
 
-def check_call(pool, backend: str, q, v, max_head_dim: int):
+def check_call(pool, backend: str, q, v, max_head_dim: int, axis=None, inputs=()):
     """What context parallelism does not serve (beyond :func:`axis_devices`'
-    checks), as errors naming the fix."""
+    checks), as errors naming the fix. ``inputs``: (name, array) of q, k, v,
+    g, beta: under shard_map's vma checks each must vary over ``axis``; one
+    that does not is the same on every device (its in_spec does not split T)."""
+    if vma.checked():
+        for name, x in inputs:
+            if axis not in vma.axes_of(x):
+                raise ValueError(
+                    f"context_axis={axis!r}: {name} is the same on every device of the axis "
+                    f"(its in_spec does not split it over {axis!r}); split T: "
+                    f"in_specs=P(None, {axis!r}) for q, k, v, g, beta")
     if pool is not None:
         raise ValueError(
             "context_axis with state_cache is not supported (the pool's rows would be "

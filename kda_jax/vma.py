@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["axes_of", "like"]
+__all__ = ["axes_of", "checked", "like"]
 
 
 def _varying(x) -> frozenset:
@@ -35,6 +35,15 @@ def _varying(x) -> frozenset:
         mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying
         vma = getattr(mat, "varying", frozenset())
     return frozenset(vma)
+
+
+def checked() -> bool:
+    """Whether the values traced here carry their varying axes: inside a
+    ``jax.shard_map`` with ``check_vma=True``. (Elsewhere, or with
+    ``check_vma=False``, every value's set is empty, which tells nothing.)"""
+    from jax._src import config  # shard_map's own switch; no public spelling
+    state = getattr(config, "_check_vma", None)
+    return bool(getattr(state, "value", False))
 
 
 def axes_of(*trees) -> frozenset:

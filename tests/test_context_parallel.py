@@ -175,9 +175,17 @@ def test_errors(mesh):
         return jax.jit(body)(*(put(a) for a in args))
 
     # The global bounds must cover all 4 devices' tokens (4 x 24 here).
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=24 must equal the number of tokens "
+                       r"T=96 \(24 per device x 4 devices of the context axis"):
         inside(lambda *a: kda_jax.chunk_kda(*a, cu_seqlens=[0, 24], context_axis="cp",
                                             implementation="xla")[0])
+    # Tokens replicated over the axis (in_specs that do not split T; one input
+    # alone would fail the shape checks): shard_map's vma types tell.
+    with pytest.raises(ValueError, match=r"context_axis='cp': q is the same on every device "
+                       r"of the axis.*in_specs=P\(None, 'cp'\)"):
+        jax.jit(jax.shard_map(
+            lambda *a: kda_jax.chunk_kda(*a, context_axis="cp", implementation="xla")[0],
+            mesh=mesh, in_specs=(P(),) * 5, out_specs=P()))(*(jnp.asarray(a) for a in args))
     pool = jnp.zeros((2, 1, 16, 16), jnp.float32)
     with pytest.raises(ValueError, match="state_cache"):
         inside(lambda *a: kda_jax.chunk_kda(
