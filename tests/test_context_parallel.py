@@ -122,6 +122,39 @@ def test_triton_varlen(mesh, check_close, check_rel_rms):
     _compare(x, "triton", CU, check_close, check_rel_rms, unsharded=True)
 
 
+def test_xla_gate_parameters_gva_grads(mesh, check_close, check_rel_rms):
+    """The in-kernel gate with A_log and dt_bias replicated over the axis
+    (their gradients are sums over the devices), two value heads per q/k
+    head, varlen over 2 devices: forward and every gradient against the
+    reference."""
+    x = make_inputs(6, B=1, T=96, H=1, HV=2, K=16, V=16, N=len(CU) - 1, raw_gate=True)
+    kw = dict(use_gate_in_kernel=True, output_final_state=True, cu_seqlens=CU)
+    fn = lambda q, k, v, g, b, h, a, d, **c: kda_jax.chunk_kda(
+        q, k, v, g, b, initial_state=h, A_log=a, dt_bias=d, chunk_size=32, **kw, **c)
+    cp = jax.shard_map(lambda *a: fn(*a, context_axis="cp", implementation="xla"),
+                       mesh=_mesh(2), in_specs=(TOK,) * 5 + (P(),) * 3, out_specs=(TOK, P()))
+    args = [jnp.asarray(a) for a in (*x.args(), x.initial_state, x.A_log, x.dt_bias)]
+    reference = lambda *a: kda_jax.naive_recurrent_kda(
+        *a[:5], initial_state=a[5], A_log=a[6], dt_bias=a[7], **kw)
+    ro, rf = reference(*args)
+    o, f = jax.jit(cp)(*args)
+    check_close(o, ro, "float32", "o")
+    check_close(f, rf, "float32", "final_state")
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal(ro.shape).astype(np.float32),
+         rng.standard_normal(rf.shape).astype(np.float32))
+
+    def loss(fun):
+        def value(*a):
+            o, f = fun(*a)
+            return jnp.sum(o.astype(jnp.float32) * w[0]) + jnp.sum(f * w[1])
+        return value
+    got = jax.jit(jax.grad(loss(cp), argnums=tuple(range(8))))(*args)
+    want = jax.jit(jax.grad(loss(reference), argnums=tuple(range(8))))(*args)
+    for name, a, b in zip(NAMES + ("A_log", "dt_bias"), got, want):
+        check_rel_rms(a, b, 1e-4, f"d{name}")
+
+
 def test_nonfinite_on_a_device_boundary_piece(mesh):
     """A NaN in the piece that leaves device 0: sequence 1 is NaN from that
     token on, on every device it reaches (the flag crosses the fold);
