@@ -155,22 +155,29 @@ def test_xla_gate_parameters_gva_grads(mesh, check_close, check_rel_rms):
         check_rel_rms(a, b, 1e-4, f"d{name}")
 
 
-def test_nonfinite_on_a_device_boundary_piece(mesh):
-    """A NaN in the piece that leaves device 0: sequence 1 is NaN from that
-    token on, on every device it reaches (the flag crosses the fold);
-    everything else as the unsharded call's."""
-    x = make_inputs(3, B=1, T=96, H=1, HV=2, K=16, V=16, N=len(CU) - 1)
-    x.k[0, 20, 0, 2] = np.nan
+def _as_unsharded(mesh, x):
+    """(o, final) of the XLA path's sharded call on ``x`` (over CU), after
+    checking they are NaN where the unsharded call's are and equal elsewhere."""
     cp, whole, _ = _compiled("xla", tuple(CU), DEVICES, ())
     args, sharded_args = _placed(mesh, x)
     o, f = (np.asarray(y) for y in cp(*sharded_args))
     uo, uf = (np.asarray(y) for y in whole(*args))
     np.testing.assert_array_equal(np.isnan(o), np.isnan(uo))
     np.testing.assert_array_equal(np.isnan(f), np.isnan(uf))
-    assert np.isnan(o[0, 20:70]).all() and not np.isnan(o[0, 70:]).any()
-    assert np.isnan(f[1]).all() and not np.isnan(f[2:]).any()
     ok = ~np.isnan(uo)
     np.testing.assert_allclose(o[ok], uo[ok], rtol=1e-4, atol=1e-5)
+    return o, f
+
+
+def test_nonfinite_on_a_device_boundary_piece(mesh):
+    """A NaN in the piece that leaves device 0: sequence 1 is NaN from that
+    token on, on every device it reaches (the flag crosses the fold);
+    everything else as the unsharded call's."""
+    x = make_inputs(3, B=1, T=96, H=1, HV=2, K=16, V=16, N=len(CU) - 1)
+    x.k[0, 20, 0, 2] = np.nan
+    o, f = _as_unsharded(mesh, x)
+    assert np.isnan(o[0, 20:70]).all() and not np.isnan(o[0, 70:]).any()
+    assert np.isnan(f[1]).all() and not np.isnan(f[2:]).any()
 
 
 def test_nonfinite_initial_state_crosses_devices_by_column(mesh):
@@ -179,16 +186,9 @@ def test_nonfinite_initial_state_crosses_devices_by_column(mesh):
     state is NaN, on every device, as unsharded."""
     x = make_inputs(3, B=1, T=96, H=1, HV=2, K=16, V=16, N=len(CU) - 1)
     x.initial_state[1, 0, 5, 7] = np.nan
-    cp, whole, _ = _compiled("xla", tuple(CU), DEVICES, ())
-    args, sharded_args = _placed(mesh, x)
-    o, f = (np.asarray(y) for y in cp(*sharded_args))
-    uo, uf = (np.asarray(y) for y in whole(*args))
-    np.testing.assert_array_equal(np.isnan(o), np.isnan(uo))
-    np.testing.assert_array_equal(np.isnan(f), np.isnan(uf))
+    o, f = _as_unsharded(mesh, x)
     assert np.isnan(o[0, 10:70, 0, 7]).all() and np.isnan(o).sum() == 60
     assert np.isnan(f[1, 0, :, 7]).all() and np.isnan(f).sum() == 16
-    ok = ~np.isnan(uo)
-    np.testing.assert_allclose(o[ok], uo[ok], rtol=1e-4, atol=1e-5)
 
 
 def test_errors(mesh):
