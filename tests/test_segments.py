@@ -180,12 +180,10 @@ def _run(x, cu, impl, forced: bool, grads: bool = True):
     return o, f, (grad(*args, w_o, w_f), w_o, w_f)
 
 
-def _reference(x, cu, w_o, w_f, grads=True):
+def _reference(x, cu, w_o, w_f):
     args = [np.asarray(a, np.float32) for a in (*x.args(), x.initial_state)]
     o, f = kda_jax.naive_recurrent_kda(*args[:5], initial_state=args[5],
                                        output_final_state=True, cu_seqlens=cu)
-    if not grads:
-        return o, f, None
     g = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, cu), argnums=tuple(range(6))))(
         *args, w_o, w_f)
     return o, f, g
@@ -197,19 +195,16 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 @pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.skipif(
     unavailable_reason() is not None, reason="Triton path unavailable"))])
 def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel_rms):
-    """Forward against the reference; on the Triton path (the state chain)
-    also gradients and the unsegmented call (tests/test_context_parallel.py
-    differentiates the XLA path's composition)."""
+    """Forward and gradients against the reference (the XLA path: its
+    composition's fold within a device); on the Triton path (the state chain)
+    also the unsegmented call."""
     x = _inputs(0, T=140, N=4, gates=True)
-    with_grads = impl == "triton"
-    o, f, grads = _run(x, CU, impl, forced=True, grads=with_grads)
-    weights = grads[1:] if with_grads else (None, None)
-    ro, rf, rg = _reference(x, CU, *weights, grads=with_grads)
+    o, f, grads = _run(x, CU, impl, forced=True)
+    ro, rf, rg = _reference(x, CU, *grads[1:])
     check_close(o, ro, "float32", "o")
     check_close(f, rf, "float32", "final_state")
-    if with_grads:
-        for name, got, want in zip(NAMES, grads[0], rg):
-            check_rel_rms(got, want, 1e-4, f"d{name}")
+    for name, got, want in zip(NAMES, grads[0], rg):
+        check_rel_rms(got, want, 1e-4, f"d{name}")
     if impl == "xla":
         return
     # The unsegmented call: the same function within float32 rounding.
