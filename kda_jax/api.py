@@ -173,7 +173,8 @@ _ARGS_DOC = """
       dt_bias: ``[HV * K]`` float32, optional.
       lower_bound: Python float in [-5, 0): the safe-gate form.
       use_beta_sigmoid_in_kernel: beta = sigmoid(beta).
-      allow_neg_eigval: beta is doubled (eigenvalues of the transition in [-1, 1]).
+      allow_neg_eigval: beta is 2 sigmoid(beta) (eigenvalues of the transition in
+        [-1, 1]); needs ``use_beta_sigmoid_in_kernel=True``, as in fla.
       state_v_first: states are ``[N, HV, V, K]``.
       cu_seqlens: host bounds ``[N + 1]`` of sequences packed along T (B == 1):
         a NumPy array, a list/tuple or :class:`kda_jax.SeqBounds`. A jax.Array is
