@@ -263,9 +263,7 @@ def chunk_kda(
         config = configs.forward_config(chunk_size=opts.chunk_size)
         bwd_config = configs.backward_config(chunk_size=opts.chunk_size)
     if context_axis is not None:
-        context_parallel.check_call(
-            pool, backend, q, v, TRITON_MAX_HEAD_DIM, context_axis,
-            (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
+        context_parallel.check_call(pool, backend, q, v, TRITON_MAX_HEAD_DIM, context_axis)
         return context_parallel.chunk_kda_context(
             _core(backend, config, bwd_config), *args[:-1], opts=opts, bounds=bounds,
             rows=q.shape[0], axis=context_axis, devices=devices)

@@ -126,6 +126,14 @@ class VarlenBatch:
         buf = jnp.asarray(self.metadata)
         return jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
 
+    def host_header(self) -> tuple[int, int, int, int] | None:
+        """(sequences, tokens, chunks, chunk size) of the real bounds, read from
+        a NumPy buffer; None for a buffer on the device (a read-back)."""
+        if not isinstance(self.metadata, np.ndarray):
+            return None
+        off = self.bucket.offset("header")
+        return tuple(int(x) for x in self.metadata[off:off + 4])
+
     def pad_tokens(self, x, axis: int = 1):
         """``x`` zero-padded along ``axis`` (the token axis: 1 for q, k, v, g
         ``[1, T, ...]`` and beta ``[1, T, HV]``) to ``bucket.max_tokens`` (NumPy
@@ -137,8 +145,9 @@ class VarlenBatch:
         if t > self.bucket.max_tokens:
             raise ValueError(f"x has {t} tokens on axis {axis}, more than the bucket's "
                              f"max_tokens={self.bucket.max_tokens}")
-        if isinstance(self.metadata, np.ndarray):
-            real = int(self.metadata[self.bucket.offset("header") + 1])
+        header = self.host_header()
+        if header is not None:
+            real = header[1]
             if t != real:
                 raise ValueError(
                     f"x has {t} tokens on axis {axis} (shape {tuple(x.shape)}), the batch "

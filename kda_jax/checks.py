@@ -332,9 +332,8 @@ def _real_slots(bounds) -> int | None:
     a batch on the device (reading it would be a device-to-host transfer)."""
     if not isinstance(bounds, VarlenBatch):
         return 0 if bounds is None else num_seqs(bounds)  # None: B = 0, no sequence
-    if isinstance(bounds.metadata, np.ndarray):
-        return int(bounds.metadata[bounds.bucket.offset("header")])
-    return None
+    header = bounds.host_header()
+    return None if header is None else header[0]
 
 
 def _check_host_indices(idx: np.ndarray, slots: int, real: int) -> np.ndarray:

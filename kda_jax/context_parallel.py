@@ -59,18 +59,16 @@ def axis_devices(axis, cu_seqlens=None) -> int:
         ) from None
 
 
-def check_call(pool, backend: str, q, v, max_head_dim: int, axis=None, inputs=()):
+def check_call(pool, backend: str, q, v, max_head_dim: int, axis: str):
     """What context parallelism does not serve (beyond :func:`axis_devices`'
-    checks), as errors naming the fix. ``inputs``: (name, array) of q, k, v,
-    g, beta: under shard_map's vma checks each must vary over ``axis``; one
-    that does not is the same on every device (its in_spec does not split T)."""
-    if vma.checked():
-        for name, x in inputs:
-            if axis not in vma.axes_of(x):
-                raise ValueError(
-                    f"context_axis={axis!r}: {name} is the same on every device of the axis "
-                    f"(its in_spec does not split it over {axis!r}); split T: "
-                    f"in_specs=P(None, {axis!r}) for q, k, v, g, beta")
+    checks), as errors naming the fix. Under shard_map's vma checks q must vary
+    over ``axis``: otherwise its in_spec does not split T (k, v, g, beta split
+    while q is not would have failed the shape checks)."""
+    if vma.checked() and axis not in vma.axes_of(q):
+        raise ValueError(
+            f"context_axis={axis!r}: q is the same on every device of the axis (its in_spec "
+            f"does not split it over {axis!r}); split T: in_specs=P(None, {axis!r}) for q, "
+            "k, v, g, beta")
     if pool is not None:
         raise ValueError(
             "context_axis with state_cache is not supported (the pool's rows would be "
