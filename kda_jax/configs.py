@@ -125,12 +125,13 @@ class ForwardConfig:
 # written out. Why each is as it is, in a sentence; the measurements behind
 # them are in docs/tuning.md ("Launch configs").
 FORWARD = {
-    # Whole-chunk [64, 32] prepare tiles at 4 warps; tf32 Akk/Aqk and bf16 w/u
-    # stay within the bf16 tolerance (fp32-grade products cost 10-60 %), float32
-    # inputs get fp32-grade products; three state stages, two for float32 tiles
-    # (three outgrow shared memory).
+    # Whole-chunk [64, 32] prepare tiles at 4 warps, their K-slice loads staged
+    # three deep; tf32 Akk/Aqk and bf16 w/u stay within the bf16 tolerance
+    # (fp32-grade products cost 10-60 %), float32 inputs get fp32-grade
+    # products; three state stages, two for float32 tiles (three outgrow
+    # shared memory).
     "sm90": ForwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
+        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=3,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
