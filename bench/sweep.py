@@ -39,6 +39,9 @@ def add_arguments(p):
 # triton@gfx950) runs the Triton path with another arch's forward and backward
 # configs (tiles, warps, product precisions) on this device: a relative figure
 # for that config's numerics and cost here, not that arch's time.
+# "triton:FIELD=VALUE[+...]" (e.g. triton:prepare_stages=1) runs it with those
+# fields of this device's ForwardConfig changed ("backward.FIELD=VALUE" and
+# "segment.FIELD=VALUE": of its BackwardConfig and SegmentConfig).
 SEGMENT_VARIANTS = ("triton-noseg", "triton-seq")
 
 
@@ -48,6 +51,8 @@ def implementation(impl: str, segment_chunks: int | None = None):
 
     if impl.startswith("triton@"):
         return "triton", _arch_configs(impl.split("@", 1)[1])
+    if impl.startswith("triton:"):
+        return "triton", _changed_configs(impl.split(":", 1)[1])
     if impl == "triton-noseg":
         return "triton", configs.override_segments(configs.SegmentConfig())
     if impl == "triton-seq":
@@ -64,6 +69,34 @@ def _arch_configs(arch: str):
 
     with configs.override(configs.forward_config(arch)), \
             configs.override_backward(configs.backward_config(arch)):
+        yield
+
+
+@contextlib.contextmanager
+def _changed_configs(changes: str):
+    """The device's forward and backward configs with ``changes``
+    ("FIELD=VALUE+backward.FIELD=VALUE+segment.FIELD=VALUE": integer values or
+    precision names)."""
+    from kda_jax import configs
+
+    current = dict(forward=configs.forward_config(), backward=configs.backward_config(),
+                   segment=configs.segment_config())
+    fields = {owner: {} for owner in current}
+    for change in changes.split("+"):
+        name, _, text = change.partition("=")
+        owner, _, field = name.rpartition(".")
+        owner = owner or "forward"
+        config = current.get(owner)
+        if config is None or not text or field not in {f.name for f in dataclasses.fields(config)}:
+            raise ValueError(f"{change!r}: not FIELD=VALUE for a field of ForwardConfig (or "
+                             "backward.FIELD=VALUE of BackwardConfig, segment.FIELD=VALUE of "
+                             "SegmentConfig)")
+        fields[owner][field] = int(text) if text.lstrip("-").isdigit() else text
+    with configs.override(dataclasses.replace(current["forward"], **fields["forward"])), \
+            configs.override_backward(dataclasses.replace(current["backward"],
+                                                          **fields["backward"])), \
+            configs.override_segments(dataclasses.replace(current["segment"],
+                                                          **fields["segment"])):
         yield
 
 

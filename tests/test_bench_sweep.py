@@ -3,9 +3,11 @@
 a time limit keeps what it measured)."""
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
+import pytest
 
 from bench import sweep
 
@@ -120,3 +122,23 @@ def test_arch_variant_traces_under_that_archs_configs():
         assert configs.forward_config() == configs.forward_config("gfx1250")
         assert configs.backward_config() == configs.backward_config("gfx1250")
     assert configs.forward_config() == configs.forward_config(configs.current_arch())
+
+
+def test_field_variant_changes_only_those_fields():
+    from kda_jax import configs
+
+    forward, backward = configs.forward_config(), configs.backward_config()
+    segment = configs.segment_config()
+    name, under = sweep.implementation(
+        "triton:prepare_stages=2+prepare_dot=tf32+backward.wy_warps=2+segment.segment_chunks=8")
+    assert name == "triton"
+    with under:
+        assert configs.forward_config() == dataclasses.replace(
+            forward, prepare_stages=2, prepare_dot="tf32")
+        assert configs.backward_config() == dataclasses.replace(backward, wy_warps=2)
+        assert configs.segment_config() == dataclasses.replace(segment, segment_chunks=8)
+    assert configs.forward_config() == forward and configs.segment_config() == segment
+    for bad in ("not_a_field=1", "prepare_stages", "wy_warps=2", "sideways.wy_warps=2"):
+        with pytest.raises(ValueError, match=bad):
+            with sweep.implementation(f"triton:{bad}")[1]:
+                pass
