@@ -627,7 +627,8 @@ class SegmentConfig:
     max_state_stages: at most this many pipeline stages for the forward's
       state-output pass and map when they run over segments (None: the state
       pass's own, ForwardConfig). Fewer stages hold less shared memory, so
-      more blocks per SM: room for the programs of shorter segments.
+      more blocks per SM: room for the programs of shorter segments (unset on
+      every arch: docs/tuning.md, "The prepare kernel's stages").
     """
 
     min_programs: int = 0
@@ -684,6 +685,8 @@ class SegmentConfig:
 # Two or three segments are not measured: the chain's critical path (the map's
 # and the state pass's walks, 2/n of the chunks each, plus the fold) leaves
 # them little to gain.
+# max_state_stages stays unset: one stage (three blocks per SM, segments of 43
+# chunks) made the segmented forward 14-46 % slower on the H200.
 # The AMD targets and other GPUs: off until measured there (force it with
 # override_segments; the kernels compile for every target, kda_jax.aot). The
 # fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5 relative, as
