@@ -74,7 +74,7 @@ def _arch_configs(arch: str):
 
 @contextlib.contextmanager
 def _changed_configs(changes: str):
-    """The device's forward and backward configs with ``changes``
+    """The device's forward, backward and segment configs with ``changes``
     ("FIELD=VALUE+backward.FIELD=VALUE+segment.FIELD=VALUE": integer values or
     precision names)."""
     from kda_jax import configs
