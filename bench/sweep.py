@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sys
 
 import numpy as np
@@ -72,11 +73,12 @@ def _arch_configs(arch: str):
         yield
 
 
-@contextlib.contextmanager
 def _changed_configs(changes: str):
-    """The device's forward, backward and segment configs with ``changes``
-    ("FIELD=VALUE+backward.FIELD=VALUE+segment.FIELD=VALUE": integer values or
-    precision names)."""
+    """A context manager tracing under the device's forward, backward and
+    segment configs with ``changes`` ("FIELD=VALUE+backward.FIELD=VALUE+
+    segment.FIELD=VALUE"; a value is an integer, True, False, None or a name
+    such as a precision). The configs are built here, so a bad change raises
+    before anything runs."""
     from kda_jax import configs
 
     current = dict(forward=configs.forward_config(), backward=configs.backward_config(),
@@ -91,12 +93,28 @@ def _changed_configs(changes: str):
             raise ValueError(f"{change!r}: not FIELD=VALUE for a field of ForwardConfig (or "
                              "backward.FIELD=VALUE of BackwardConfig, segment.FIELD=VALUE of "
                              "SegmentConfig)")
-        fields[owner][field] = int(text) if text.lstrip("-").isdigit() else text
-    with configs.override(dataclasses.replace(current["forward"], **fields["forward"])), \
-            configs.override_backward(dataclasses.replace(current["backward"],
-                                                          **fields["backward"])), \
-            configs.override_segments(dataclasses.replace(current["segment"],
-                                                          **fields["segment"])):
+        if field in fields[owner]:
+            raise ValueError(f"{change!r}: {name} is set twice in {changes!r}")
+        fields[owner][field] = _value_of(text)
+    changed = {owner: dataclasses.replace(current[owner], **fields[owner]) for owner in current}
+    return _under(changed["forward"], changed["backward"], changed["segment"])
+
+
+def _value_of(text: str):
+    if text in _CONSTANTS:
+        return _CONSTANTS[text]
+    return int(text) if re.fullmatch(r"-?[0-9]+", text) else text
+
+
+_CONSTANTS = {"True": True, "False": False, "None": None}
+
+
+@contextlib.contextmanager
+def _under(forward, backward, segment):
+    from kda_jax import configs
+
+    with configs.override(forward), configs.override_backward(backward), \
+            configs.override_segments(segment):
         yield
 
 
@@ -179,6 +197,8 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
     header = (f"{'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
               + "  triton/fla" + ("  roofline%" if roofline else ""))
     print(header, flush=True)
+    for impl in impls:  # a bad variant name fails here, before anything is timed
+        implementation(impl, getattr(args, "segment_chunks", None))
     for impl in impls:  # one implementation over every row, in --impls order
         if impl == "fla":
             print("fla (child process):", flush=True)

@@ -138,7 +138,27 @@ def test_field_variant_changes_only_those_fields():
         assert configs.backward_config() == dataclasses.replace(backward, wy_warps=2)
         assert configs.segment_config() == dataclasses.replace(segment, segment_chunks=8)
     assert configs.forward_config() == forward and configs.segment_config() == segment
-    for bad in ("not_a_field=1", "prepare_stages", "wy_warps=2", "sideways.wy_warps=2"):
-        with pytest.raises(ValueError, match=bad):
-            with sweep.implementation(f"triton:{bad}")[1]:
-                pass
+    assert configs.backward_config() == backward
+    with sweep.implementation("triton:segment.xla=True+segment.segment_chunks=None+"
+                              "segment.min_programs=-0")[1]:
+        assert configs.segment_config() == dataclasses.replace(
+            segment, xla=True, segment_chunks=None, min_programs=0)
+    # Every bad name raises when the variant is named, before anything runs.
+    for bad, message in (("not_a_field=1", "not_a_field=1"), ("prepare_stages", "prepare_stages"),
+                         ("wy_warps=2", "wy_warps=2"), ("sideways.wy_warps=2", "sideways"),
+                         ("", "''"), ("prepare_stages=1++prepare_warps=4", "''"),
+                         ("prepare_stages=2+prepare_stages=3", "set twice"),
+                         ("prepare_stages=9", "prepare_stages=9"),
+                         ("prepare_stages=--1", "prepare_stages='--1'"),
+                         ("segment.xla=yes", "xla='yes'")):
+        with pytest.raises(ValueError, match=message):
+            sweep.implementation(f"triton:{bad}")
+
+
+def test_a_bad_variant_fails_before_any_row_is_timed(tmp_path):
+    timed = []
+    with pytest.raises(ValueError, match="prepare_stages=9"):
+        sweep.run(_args(tmp_path, "triton,triton:prepare_stages=9"), [], module="bench.forward",
+                  mode="forward",
+                  runner=lambda impl, arrays, cu: timed.append(impl) or (lambda: 1.0))
+    assert timed == []

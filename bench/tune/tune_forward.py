@@ -37,12 +37,12 @@ GRIDS = {
         dict(state_stages=3),
     ],
     # The prepare kernel's software pipelining (its K-slice loops' loads staged
-    # ahead by Triton's pipeliner) and slice width, at the shipped config.
+    # ahead by Triton's pipeliner) and slice width.
     "stages": [
-        {},
+        dict(prepare_stages=1),
         dict(prepare_stages=2),
         dict(prepare_stages=3),
-        dict(prepare_block_k=64),
+        dict(prepare_block_k=64, prepare_stages=1),
         dict(prepare_block_k=64, prepare_stages=2),
     ],
     "shipped": [{}],
