@@ -685,7 +685,7 @@ class SegmentConfig:
 # Two or three segments are not measured: the chain's critical path (the map's
 # and the state pass's walks, 2/n of the chunks each, plus the fold) leaves
 # them little to gain.
-# max_state_stages stays unset: one stage (three blocks per SM, segments of 43
+# max_state_stages stays unset: one stage (three blocks per SM, segments of 44-45
 # chunks) made the segmented forward 14-46 % slower on the H200.
 # The AMD targets and other GPUs: off until measured there (force it with
 # override_segments; the kernels compile for every target, kda_jax.aot). The

@@ -241,7 +241,7 @@ _CHILD = textwrap.dedent("""
 
 # The bucket of the device-buffer tests: two chunks of 32 per full-length
 # sequence, and the size of Bucket(4, 67, chunk_size=32)'s buffer (the
-# issue's reproducer at chunk size 32).
+# out-of-bounds reproducer at chunk size 32).
 DEVICE_BUCKET = kda_jax.Bucket(4, 64, chunk_size=32)
 
 

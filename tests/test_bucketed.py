@@ -29,7 +29,7 @@ IMPLS = [pytest.param("xla"),
              NO_TRITON is not None, reason=f"Triton path unavailable: {NO_TRITON}"))]
 H, HV, K, V, SLOTS = 1, 2, 32, 32, 8
 BUCKET = Bucket(max_seqs=8, max_tokens=128)
-# Distinct bounds per compile-once test: the 128 on a GPU; 16 on a CPU
+# Distinct bounds per compile-once test: 128 on a GPU; 16 on a CPU
 # for the XLA path; 4 for the Triton path in the interpreter (seconds a call):
 # one trace over several bounds of one bucket is the property, and 4 lists
 # already mix decodes and prefills of different counts.

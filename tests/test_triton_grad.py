@@ -34,7 +34,7 @@ ON_GPU = not interpret_mode()
 # fp32). The gate's gradients (dg is a difference of nearly equal sums) need
 # the split-bf16 products of the shipped sm90 config to meet that bar.
 TOL = 1e-3 if ON_GPU else 1e-4
-# bf16 inputs: the issue's targets (rel RMS vs the float32 reference's gradient).
+# bf16 inputs: the accuracy targets (rel RMS vs the float32 reference's gradient).
 TOL_BF16 = dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2)
 ALL = ("q", "k", "v", "g", "beta", "initial_state")
 GATE = ALL + ("A_log", "dt_bias")
@@ -251,7 +251,7 @@ def test_grad_of_final_state_alone(check_rel_rms):
 
 
 def test_grad_bf16_inputs(check_rel_rms):
-    """bf16 q, k, v: gradients in bf16 within the issue's accuracy targets
+    """bf16 q, k, v: gradients in bf16 within the bf16 accuracy targets
     against the float32 reference's gradients."""
     shape = dict(B=1, T=300, H=4, K=128, V=128) if ON_GPU else dict(T=40, H=1, K=32, V=32)
     x = make_inputs(8, dtype=jnp.bfloat16, **shape)
