@@ -624,11 +624,6 @@ class SegmentConfig:
       (kernels/segments.py; None: the state pass's V block and warps).
     fold_dot: the fold kernel's product precision (float32 states and maps;
       'ieee', 'tf32x3', 'bf16x3' or 'bf16x6'), forward and backward alike.
-    max_state_stages: at most this many pipeline stages for the forward's
-      state-output pass and map when they run over segments (None: the state
-      pass's own, ForwardConfig). Fewer stages hold less shared memory, so
-      more blocks per SM: room for the programs of shorter segments (unset on
-      every arch: docs/tuning.md, "The prepare kernel's stages").
     """
 
     min_programs: int = 0
@@ -641,7 +636,6 @@ class SegmentConfig:
     map_block_v: int | None = None
     map_warps: int | None = None
     fold_dot: str = "ieee"
-    max_state_stages: int | None = None
 
     def __post_init__(self):
         if self.fold_dot not in ("ieee", "tf32x3", "bf16x3", "bf16x6"):
@@ -668,11 +662,6 @@ class SegmentConfig:
                              "int >= 1")
         if not isinstance(self.xla, bool):
             raise ValueError(f"xla={self.xla!r} must be True or False")
-        if self.max_state_stages is not None and (
-                isinstance(self.max_state_stages, bool)
-                or not isinstance(self.max_state_stages, int) or self.max_state_stages < 1):
-            raise ValueError(f"max_state_stages={self.max_state_stages!r} must be None or an "
-                             "int >= 1")
 
 
 # sm90: the forward segments when its state pass has fewer than 128 programs
@@ -685,8 +674,8 @@ class SegmentConfig:
 # Two or three segments are not measured: the chain's critical path (the map's
 # and the state pass's walks, 2/n of the chunks each, plus the fold) leaves
 # them little to gain.
-# max_state_stages stays unset: one stage (three blocks per SM, segments of 44-45
-# chunks) made the segmented forward 14-46 % slower on the H200.
+# The segmented state passes keep the state pass's three stages: at one (three
+# blocks per SM, segments of 44-45 chunks) the forward was 14-46 % slower.
 # The AMD targets and other GPUs: off until measured there (force it with
 # override_segments; the kernels compile for every target, kda_jax.aot). The
 # fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5 relative, as

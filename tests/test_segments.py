@@ -361,30 +361,9 @@ def test_segment_config_checks():
         configs.SegmentConfig(segment_chunks=0)
     with pytest.raises(ValueError, match="min_programs"):
         configs.SegmentConfig(min_programs=-1)
-    for bad in (0, True, 2.0):
-        with pytest.raises(ValueError, match="max_state_stages"):
-            configs.SegmentConfig(max_state_stages=bad)
     with pytest.raises(TypeError, match="SegmentConfig"):
         with configs.override_segments(configs.ForwardConfig()):
             pass
-
-
-def test_max_state_stages_caps_the_segmented_state_passes():
-    """The cap reaches the segmented state-output launch and the map (which
-    takes the state pass's stages), never raises a stage count, and leaves the
-    one pass's launch alone."""
-    from kda_jax.options import KdaOptions
-    from kda_jax.triton import forward as triton_forward
-
-    config = dataclasses.replace(configs.forward_config("sm90"), state_stages=3)
-    kw = dict(h=2, hv=2, kd=128, vd=128, opts=KdaOptions(scale=0.1, chunk_size=64),
-              config=config, work=jnp.bfloat16, has_initial_state=False)
-    for cap, stages in ((None, 3), (1, 1), (2, 2), (5, 3)):
-        state, chain = triton_forward.segmented_launches(
-            segments=configs.SegmentConfig(max_state_stages=cap), **kw)
-        assert (state.num_stages, chain.map.num_stages) == (stages, stages), cap
-    _, one_pass = triton_forward.forward_launches(has_a_log=False, has_dt_bias=False, **kw)
-    assert one_pass.num_stages == 3
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")

@@ -218,9 +218,6 @@ def segmented_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     _, state = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
                                 work=work, has_a_log=False, has_dt_bias=False,
                                 has_initial_state=True)
-    if segments.max_state_stages is not None:
-        state = dataclasses.replace(
-            state, num_stages=min(state.num_stages, segments.max_state_stages))
     return state, state_chain.chain_launches(state, segments, use_h0=has_initial_state)
 
 
