@@ -64,13 +64,11 @@ def implementation(impl: str, segment_chunks: int | None = None):
     return impl, contextlib.nullcontext()
 
 
-@contextlib.contextmanager
 def _arch_configs(arch: str):
     from kda_jax import configs
 
-    with configs.override(configs.forward_config(arch)), \
-            configs.override_backward(configs.backward_config(arch)):
-        yield
+    return _under(configs.forward_config(arch), configs.backward_config(arch),
+                  configs.segment_config())
 
 
 def _changed_configs(changes: str):
