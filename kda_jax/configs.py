@@ -608,11 +608,15 @@ class SegmentConfig:
     backward_min_programs: the backward's threshold in place of
       min_programs (its reverse pass runs twice over the segments, so it
       pays off at fewer programs); 0: never (unless forced).
-    target_programs: the segments aim at no more than this many programs
-      (counted at the state pass's V blocks).
+    target_programs: the segments give at most this many programs of the
+      forward's state-output pass over segments (at its V blocks:
+      state_block_v below), unless min_segment_chunks makes fewer.
     min_segment_chunks: no segment shorter than this many chunks (each
       segment adds a [K, K] transition and a step of the fold); segments run
       from this length to just under twice it.
+    backward_target_programs / backward_min_segment_chunks: the same for
+      the backward, counted at its state pass's V blocks (None: the
+      forward's values).
     min_segments: segment only when some sequence makes at least this many
       segments (>= 2; two halves save little: the map and the state pass each
       walk half the chunks).
@@ -620,10 +624,19 @@ class SegmentConfig:
       rule); a call whose sequences all stay whole still runs unsegmented.
     xla: apply the rule on the XLA path too (its state pass is a scan over
       the longest segment's chunks instead of the longest sequence's).
-    map_block_v / map_warps: the map kernel's column block and warps
-      (kernels/segments.py; None: the state pass's V block and warps).
+    state_block_v / state_warps: the forward's state-output pass over
+      segments with 16-bit intermediates, when V is a multiple of the block:
+      its V block and warps (None, float32 intermediates and masked V
+      columns: ForwardConfig's, as the one pass).
+    map_block_v / map_warps / map_stages: the forward's map kernel: its
+      column block, warps and pipeline stages (kernels/segments.py; None:
+      those of the forward's state pass over segments). The backward's map
+      takes its state pass's.
     fold_dot: the fold kernel's product precision (float32 states and maps;
       'ieee', 'tf32x3', 'bf16x3' or 'bf16x6'), forward and backward alike.
+    fold_block_j / fold_warps: the fold's [K, K] maps are read in column
+      slices of fold_block_j (None: whole, one product per segment), at
+      fold_warps warps; forward and backward alike.
     """
 
     min_programs: int = 0
@@ -633,25 +646,42 @@ class SegmentConfig:
     segment_chunks: int | None = None
     xla: bool = False
     backward_min_programs: int = 0
+    backward_target_programs: int | None = None
+    backward_min_segment_chunks: int | None = None
+    state_block_v: int | None = None
+    state_warps: int | None = None
     map_block_v: int | None = None
     map_warps: int | None = None
+    map_stages: int | None = None
     fold_dot: str = "ieee"
+    fold_block_j: int | None = 16
+    fold_warps: int = 4
 
     def __post_init__(self):
         if self.fold_dot not in ("ieee", "tf32x3", "bf16x3", "bf16x6"):
             raise ValueError(f"fold_dot={self.fold_dot!r} must be 'ieee', 'tf32x3', 'bf16x3' "
                              "or 'bf16x6' (the fold carries float32 states)")
-        for name, allowed in (("map_block_v", (16, 32, 64, 128)), ("map_warps", (1, 2, 4, 8))):
+        for name, allowed in (("map_block_v", (16, 32, 64, 128)), ("map_warps", (1, 2, 4, 8)),
+                              ("map_stages", (1, 2, 3, 4)),
+                              ("state_block_v", (16, 32, 64, 128)), ("state_warps", (1, 2, 4, 8)),
+                              ("fold_block_j", (16, 32, 64, 128))):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value not in allowed):
                 raise ValueError(f"{name}={value!r} must be None or one of {allowed}")
+        if isinstance(self.fold_warps, bool) or self.fold_warps not in (1, 2, 4, 8):
+            raise ValueError(f"fold_warps={self.fold_warps!r} must be one of (1, 2, 4, 8)")
         for name in ("min_programs", "target_programs", "min_segment_chunks",
-                     "backward_min_programs", "min_segments"):
+                     "backward_min_programs", "min_segments", "backward_target_programs",
+                     "backward_min_segment_chunks"):
             value = getattr(self, name)
+            if value is None and name.startswith("backward_") and name != "backward_min_programs":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
-        if self.min_segment_chunks < 1:
-            raise ValueError(f"min_segment_chunks={self.min_segment_chunks} must be >= 1")
+        for name in ("min_segment_chunks", "backward_min_segment_chunks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
         if self.min_segments < 2:
             raise ValueError(f"min_segments={self.min_segments} must be >= 2 (one segment is "
                              "the one pass)")
@@ -665,25 +695,30 @@ class SegmentConfig:
 
 
 # sm90: the forward segments when its state pass has fewer than 128 programs
-# (the H200 has 132 SMs) and a sequence makes 4 segments of 128 chunks or more
-# (each 128-255 chunks), the backward below 64 programs. On the H200
-# (docs/tuning.md, "Segmented state chain") 128-chunk segments beat 32 and 64
-# in the forward on every low-head row (4 to 16 segments per sequence), a row
-# of 128 programs gains nothing, and the backward, whose reverse pass runs
-# twice, gains at 32 programs (4 heads of 8 V blocks) and loses at 64 and 96.
-# Two or three segments are not measured: the chain's critical path (the map's
-# and the state pass's walks, 2/n of the chunks each, plus the fold) leaves
-# them little to gain.
-# The segmented state passes keep the state pass's three stages: at one (three
-# blocks per SM, segments of 44-45 chunks) the forward was 14-46 % slower.
+# (the H200 has 132 SMs) and a sequence makes 4 segments of 64 chunks or more,
+# into segments that give at most 128 programs of its state-output pass over
+# segments, which takes 64-wide V blocks (two per head at V = 128): one wave
+# at one block per SM (its three stages hold 208 KiB of shared memory). The
+# map kernel at 64 columns and two stages (88 KiB, two blocks per SM) walks
+# the same segments in one wave of up to 256 programs. The backward segments
+# below 64 programs, at its own V blocks (8 at V = 128), in segments of at
+# least 128 chunks that give at most 512 programs. The fold reads each map
+# whole at 8 warps (170 registers at K = 128). Measured on the H200 in
+# docs/tuning.md ("Segmented state chain", "Segment geometry").
+# The segmented state passes keep three stages: at one (three blocks per SM)
+# the forward was 14-46 % slower.
 # The AMD targets and other GPUs: off until measured there (force it with
 # override_segments; the kernels compile for every target, kda_jax.aot). The
 # fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5 relative, as
-# their float32 state passes' products, ForwardConfig.fp32_dot), ieee elsewhere.
-_SEGMENT_RULE = dict(min_programs=128, target_programs=512, min_segment_chunks=128,
-                     min_segments=4, backward_min_programs=64)
+# their float32 state passes' products, ForwardConfig.fp32_dot), ieee elsewhere;
+# the AMD targets read the maps in 16-column slices (at 32, bf16x3 products
+# spilled on gfx942 at 8 warps).
 SEGMENTS = {
-    "sm90": SegmentConfig(**_SEGMENT_RULE, fold_dot="bf16x3"),
+    "sm90": SegmentConfig(
+        min_programs=128, target_programs=128, min_segment_chunks=64, min_segments=4,
+        backward_min_programs=64, backward_target_programs=512,
+        backward_min_segment_chunks=128, state_block_v=64, map_block_v=64, map_stages=2,
+        fold_dot="bf16x3", fold_block_j=None, fold_warps=8),
     "gfx950": SegmentConfig(fold_dot="bf16x3"),
     "gfx942": SegmentConfig(fold_dot="bf16x3"),
     "gfx1250": SegmentConfig(fold_dot="bf16x3"),

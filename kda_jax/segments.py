@@ -202,21 +202,27 @@ def segment_tables(plan: SegmentPlan, chunk_size: int) -> SegmentTables:
 
 def segment_chunks(bounds: SeqBounds, chunk_size: int, *, hv: int, programs_per_seq_head: int,
                    min_programs: int, target_programs: int, min_segment_chunks: int,
-                   min_segments: int = 2, forced_segment_chunks: int | None = None
-                   ) -> int | None:
+                   min_segments: int = 2, forced_segment_chunks: int | None = None,
+                   segment_programs_per_seq_head: int | None = None) -> int | None:
     """The rule: the segment length in chunks (:func:`segment_plan`'s
     ``per_segment``), or None for no segments.
 
     A call is under-filled when its state pass has fewer than ``min_programs``
     programs (non-empty sequences x ``hv`` x ``programs_per_seq_head``, the V
-    blocks of the state kernel). Then sequences are cut so that the segments
-    give at most about ``target_programs`` programs: ``ceil(total chunks /
-    ceil(target_programs / (hv x programs_per_seq_head)))`` chunks per
-    segment, but never fewer than ``min_segment_chunks`` (each segment adds a
-    fold step and a [K, K] transition). None unless some sequence then makes
+    blocks of the state kernel). Then sequences are cut into at most
+    ``wanted = max(1, floor(target_programs / (hv x per head)))`` segments
+    in all (per head: ``segment_programs_per_seq_head``, the V blocks of
+    the pass over segments), so that they give at most ``target_programs``
+    programs: at least ``floor(total chunks / (wanted + 1)) + 1`` chunks per
+    segment (the shortest length that makes no more), but never fewer than
+    ``min_segment_chunks`` (each segment adds a fold step and a [K, K]
+    transition). None unless some sequence then makes
     ``min_segments`` segments or more (a sequence cut in two runs its map and
     its state pass over half its chunks each: no shorter than one pass).
-    ``forced_segment_chunks`` skips the thresholds (tests, tuning).
+    ``segment_programs_per_seq_head``: the segmented pass's programs per
+    segment and head, when its V blocks differ from the one pass's (None:
+    ``programs_per_seq_head``). ``forced_segment_chunks`` skips the
+    thresholds (tests, tuning).
     """
     if bounds.num_seqs == 0 or bounds.total_tokens == 0:
         return None
@@ -227,8 +233,10 @@ def segment_chunks(bounds: SeqBounds, chunk_size: int, *, hv: int, programs_per_
         programs = int(np.count_nonzero(counts)) * hv * programs_per_seq_head
         if programs >= min_programs:
             return None
-        wanted = -(-max(target_programs, 1) // (hv * programs_per_seq_head))
-        per = max(min_segment_chunks, -(-int(counts.sum()) // wanted))
+        per_head = (programs_per_seq_head if segment_programs_per_seq_head is None
+                    else segment_programs_per_seq_head)
+        wanted = max(1, target_programs // (hv * per_head))
+        per = max(min_segment_chunks, int(counts.sum()) // (wanted + 1) + 1)
     needed = 2 if forced_segment_chunks is not None else max(min_segments, 2)
     return per if int(counts.max()) // per >= needed else None
 

@@ -96,11 +96,13 @@ def kda_segment_fold_kernel(
     end state and carries e[j] + m[j]^T s[j] (e then holds each segment's
     start cotangent from a zero end one).
 
-    All [K, V] states float32, K-first. The product reads the state just
-    written back in BJ-row slices (global memory), so that no [K, K] tile is
-    held: each program reads back only the columns it wrote, after a
-    barrier of its own threads (tl.debug_barrier, a workgroup barrier that
-    orders global memory too on NVIDIA and AMD)."""
+    All [K, V] states float32, K-first. With BJ == BK the product takes
+    m[j] whole, one [BK, BK] tile, and the state in registers. With BJ < BK
+    no [K, K] tile is held: the product reads m[j] in BJ-column slices and
+    the state just written back in BJ-row slices (global memory); each
+    program reads back only the columns it wrote, after a barrier of its own
+    threads (tl.debug_barrier, a workgroup barrier that orders global memory
+    too on NVIDIA and AMD)."""
     i_c, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s0 = tl.load(meta + off_chains + 3 * i_c)
     count = tl.load(meta + off_chains + 3 * i_c + 1)
@@ -123,7 +125,14 @@ def kda_segment_fold_kernel(
         base = i_s.to(tl.int64) * HV + i_hv
         p_s = s + base * K * V
         tl.store(p_s + o_s, b_s, mask=m_kv)
-        if i < count - 1:
+        if i < count - 1 and BJ == BK:
+            if REVERSE:
+                p_m = m + base * K * K + o_k[None, :] * K + o_k[:, None]
+            else:
+                p_m = m + base * K * K + o_k[:, None] * K + o_k[None, :]
+            b_m = tl.load(p_m, mask=m_k[:, None] & m_k[None, :], other=0.)
+            b_s = tl.load(e + base * K * V + o_s, mask=m_kv, other=0.) + dot(b_m, b_s, DOT)
+        elif i < count - 1:
             tl.debug_barrier()  # the slices below are read by other threads
             b_s = tl.load(e + base * K * V + o_s, mask=m_kv, other=0.)
             for j in tl.static_range(0, BK, BJ):

@@ -78,31 +78,36 @@ SWEEP_ROWS = ((1, 65536, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 12))
 
 
 def test_rule_segments_the_issue_rows_and_not_the_sweep():
-    """sm90's rule (an H200 has 132 SMs) cuts the low-head long rows into
-    128-chunk segments in the forward (4 V blocks of the forward's state
-    pass), and only the 4-head rows in the backward (32 programs: 8 V blocks
-    of the backward's state pass); no other row of the forward sweep
-    (K = V = 128). The AMD targets and unknown devices ship it off."""
+    """sm90's rule (an H200 has 132 SMs) in the forward: the low-head long
+    rows are cut so that the state-output pass over segments (V blocks of
+    64: 2 per head) has at most 128 programs, one wave, in segments of at
+    least 64 chunks; in the backward (8 V blocks of 16) only the 4-head rows,
+    in 128-chunk segments; no other row of the forward sweep (K = V = 128).
+    The AMD targets and unknown devices ship it off."""
     assert all(configs.SEGMENTS[a].min_programs == 0 for a in
                ("gfx950", "gfx942", "gfx1250", "default"))
     cfg = configs.SEGMENTS["sm90"]
-    def per(b, t, h, backward=False):
+
+    def plan(b, t, h, backward=False):
         table = configs.BACKWARD if backward else configs.FORWARD
-        blocks = -(-128 // table["sm90"].state_block_v)
-        return segments.segment_chunks(
-            SeqBounds.from_lengths([t] * b), 64, hv=h, programs_per_seq_head=blocks,
-            min_programs=cfg.backward_min_programs if backward else cfg.min_programs,
-            target_programs=cfg.target_programs, min_segment_chunks=cfg.min_segment_chunks,
-            min_segments=cfg.min_segments)
+        tables = state_chain.chain_tables(
+            SeqBounds.from_lengths([t] * b), cfg, chunk_size=64, hv=h, kd=128, vd=128,
+            block_v=table["sm90"].state_block_v, split_k=False, backward=backward,
+            segment_block_v=None if backward else cfg.state_block_v)
+        return None if tables is None else (tables.plan.segments.lengths // 64).tolist()
 
     for b, t, h in DENSE_SWEEP:
         if (b, t, h) not in SWEEP_ROWS:
-            assert per(b, t, h) is None and per(b, t, h, True) is None, (b, t, h)
+            assert plan(b, t, h) is None and plan(b, t, h, True) is None, (b, t, h)
+    # (segments, chunks each) per row: segments x heads x 2 programs <= 128.
+    assert plan(1, 65536, 4) == [64] * 16
+    assert plan(1, 131072, 4) == [128] * 16
+    assert plan(1, 32768, 8) == [64] * 8
+    assert plan(1, 65536, 12) == [205] * 4 + [204]  # 120 programs
     for b, t, h in SWEEP_ROWS:
-        assert per(b, t, h) == 128, (b, t, h)
-        assert per(b, t, h, backward=True) == (128 if h == 4 else None), (b, t, h)
-    # Three segments' worth (384-511 chunks) at 4 heads: not cut (min_segments).
-    assert per(1, 400 * 64, 4) is None and per(1, 512 * 64, 4) == 128
+        assert plan(b, t, h, backward=True) == ([128] * (t // 8192) if h == 4 else None)
+    # Three segments' worth (192-255 chunks) at 4 heads: not cut (min_segments).
+    assert plan(1, 200 * 64, 4) is None and plan(1, 256 * 64, 4) == [64] * 4
     # Forced, but every sequence fits in one segment: unsegmented.
     assert segments.segment_chunks(SeqBounds([0, 64]), 64, hv=1, programs_per_seq_head=1,
                                    min_programs=0, target_programs=0, min_segment_chunks=1,
@@ -211,6 +216,62 @@ def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel
     uo, uf, _ = _run(x, CU, impl, forced=False, grads=False)
     check_close(o, uo, "float32", "o vs unsegmented")
     check_close(f, uf, "float32", "final_state vs unsegmented")
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
+def test_triton_segmented_pass_with_its_own_v_block(check_close):
+    """SegmentConfig.state_block_v: with 16-bit inputs, the state-output pass
+    over segments in 16-wide V blocks where the one pass takes 32 (two
+    programs per segment and head; the map follows it); the same outputs and
+    final states as the reference."""
+    x = make_inputs(4, B=1, T=150, H=1, HV=2, K=16, V=32, N=2, dtype=jnp.bfloat16)
+    cu = [0, 90, 150]
+    ro, rf = kda_jax.naive_recurrent_kda(*(np.asarray(a, np.float32) for a in x.args()),
+                                        initial_state=np.asarray(x.initial_state, np.float32),
+                                        output_final_state=True, cu_seqlens=cu)
+    seen = []
+    real = state_chain.segment_maps
+    cfg = dataclasses.replace(FORCED, state_block_v=16, state_warps=2)
+    forward = dataclasses.replace(configs.forward_config(), state_block_v=32,
+                                  state_block_v_fp32=32)
+    with configs.override(forward), configs.override_segments(cfg), \
+            pytest.MonkeyPatch.context() as mp:
+        mp.setattr(state_chain, "segment_maps", lambda *a, **kw: seen.append(a[0]) or real(*a, **kw))
+        o, f = kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="triton",
+                                 initial_state=x.initial_state, output_final_state=True,
+                                 cu_seqlens=cu)
+    assert seen and seen[0].map.constexprs["BV"] == 16
+    check_close(o, ro, "bfloat16", "o")
+    check_close(f, rf, "bfloat16", "final_state")
+
+
+def test_segmented_pass_v_block_only_for_whole_16_bit_blocks():
+    """The segmented pass takes SegmentConfig.state_block_v / state_warps
+    with 16-bit inputs and V a multiple of the block; float32 inputs and
+    masked V columns keep the forward config's (they spilled at 64 on
+    sm90), and the backward's map keeps its state pass's launch."""
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton.forward import segmented_launches
+
+    seg = configs.SegmentConfig(state_block_v=64, state_warps=8, map_block_v=64, map_stages=2)
+    fwd = configs.FORWARD["sm90"]
+
+    def launch(dtype, vd):
+        state, chain = segmented_launches(
+            h=4, hv=4, kd=128, vd=vd, opts=KdaOptions(scale=0.1), config=fwd,
+            work=jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32, segments=seg,
+            has_initial_state=False, input_dtype=dtype)
+        return (state.constexprs["BV"], state.num_warps, chain.map.constexprs["BV"],
+                chain.map.num_stages)
+
+    assert launch(jnp.bfloat16, 128) == (64, 8, 64, 2)
+    assert launch(jnp.bfloat16, 96) == (fwd.state_block_v, fwd.state_warps, 64, 2)
+    assert launch(jnp.float32, 128) == (fwd.state_block_v_fp32, fwd.state_warps_fp32, 64, 2)
+    from kda_jax.triton.launch import KernelLaunch
+    bwd_state = KernelLaunch("kda_bwd_state_kernel", dict(HV=4, K=128, V=128, BT=64, BV=16, DOT=0),
+                             4, 3)
+    bwd_map = state_chain.chain_launches(bwd_state, seg, use_h0=False, backward=True).map
+    assert (bwd_map.constexprs["BV"], bwd_map.num_warps, bwd_map.num_stages) == (16, 4, 3)
 
 
 def test_segmented_dense_bf16_every_transform_state_v_first(check_close):
@@ -331,14 +392,16 @@ def test_rule_picks_segments_automatically():
     from kda_jax.options import KdaOptions
 
     bounds = SeqBounds([0, 300])
-    tables = lambda cfg, backward=False, split_k=False, kd=16: state_chain.chain_tables(
-        bounds, cfg, chunk_size=32, hv=1, kd=kd, vd=16, block_v=16, split_k=split_k,
-        backward=backward)
+    tables = lambda cfg, backward=False, split_k=False, kd=16, seg_bv=None: (
+        state_chain.chain_tables(bounds, cfg, chunk_size=32, hv=1, kd=kd, vd=16, block_v=16,
+                                 split_k=split_k, backward=backward, segment_block_v=seg_bv))
     rule = configs.SegmentConfig(min_programs=1000, target_programs=4, min_segment_chunks=2,
                                  backward_min_programs=1)
     # 10 chunks, target 4 segments: at least 3 chunks each -> 4, 3, 3.
     assert tables(rule).plan.segments.lengths.tolist() == [128, 96, 76]
     assert tables(dataclasses.replace(rule, min_segments=4)) is None  # 3 segments < 4
+    # The segmented pass in 8-wide V blocks: 2 programs per segment, so 2 segments.
+    assert tables(rule, seg_bv=8).plan.segments.lengths.tolist() == [160, 140]
     assert tables(rule, backward=True) is None  # 1 program is not under 1
     assert tables(rule, split_k=True) is None and tables(rule, kd=256) is None
     assert tables(dataclasses.replace(rule, min_programs=1)) is None
@@ -364,6 +427,26 @@ def test_segment_config_checks():
     with pytest.raises(TypeError, match="SegmentConfig"):
         with configs.override_segments(configs.ForwardConfig()):
             pass
+    for name, bad in (("map_block_v", 48), ("map_warps", 3), ("map_stages", 0),
+                      ("map_stages", True), ("state_block_v", 8), ("fold_block_j", 24),
+                      ("fold_warps", None), ("backward_target_programs", -1),
+                      ("backward_min_segment_chunks", 0)):
+        with pytest.raises(ValueError, match=name):
+            configs.SegmentConfig(**{name: bad})
+
+
+def test_map_launch_follows_the_state_pass_unless_set():
+    """The map kernel's launch takes the state pass's V block, warps and
+    stages, each replaced by the SegmentConfig field that sets it."""
+    from kda_jax.triton.launch import KernelLaunch
+
+    state = KernelLaunch("kda_fwd_state_output_kernel",
+                         dict(HV=4, K=128, V=128, BT=64, BV=32, DOT=0), 4, 3)
+    plain = state_chain.chain_launches(state, configs.SegmentConfig(), use_h0=False).map
+    assert (plain.constexprs["BV"], plain.num_warps, plain.num_stages) == (32, 4, 3)
+    cfg = configs.SegmentConfig(map_block_v=64, map_warps=8, map_stages=2)
+    set_ = state_chain.chain_launches(state, cfg, use_h0=False).map
+    assert (set_.constexprs["BV"], set_.num_warps, set_.num_stages) == (64, 8, 2)
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")

@@ -267,7 +267,7 @@ def segmented_backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaO
     own = dataclasses.replace(dstate, constexprs=dict(
         dstate.constexprs, USE_FINAL_GRAD=False, STORE_CHUNKS=False))
     chain = state_chain.chain_launches(state, segments, use_h0=has_initial_state,
-                                       use_final_grad=has_final_grad)
+                                       use_final_grad=has_final_grad, backward=True)
     return dict(state=state, own=own, dstate=dstate, chain=chain)
 
 

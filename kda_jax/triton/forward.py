@@ -180,13 +180,18 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
 
     tables = None
     if segments is not None and not indexed and not empty:
+        seg_launches = segmented_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
+                                          work=work, segments=segments,
+                                          has_initial_state=initial_state is not None,
+                                          input_dtype=q.dtype)
         tables = state_chain.chain_tables(
             bounds, segments, chunk_size=bt, hv=hv, kd=kd, vd=vd, block_v=state.constexprs["BV"],
-            split_k=state.constexprs["SPLIT_K"])
+            split_k=state.constexprs["SPLIT_K"],
+            segment_block_v=seg_launches[0].constexprs["BV"])
     if tables is not None:
-        return _segmented_state_output(p, tables, segments, initial_state, q.dtype, h=h, hv=hv,
-                                       kd=kd, vd=vd, b=b, t=t, opts=opts, config=config,
-                                       work=work, n_chunk_rows=meta.chunk_programs)
+        return _segmented_state_output(p, tables, seg_launches, initial_state, q.dtype, hv=hv,
+                                       kd=kd, vd=vd, b=b, t=t, opts=opts,
+                                       n_chunk_rows=meta.chunk_programs)
 
     st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
     out = launch_kernel(
@@ -209,28 +214,41 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
 
 def segmented_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                        config: ForwardConfig, work, segments: SegmentConfig,
-                       has_initial_state: bool) -> tuple[KernelLaunch, state_chain.ChainLaunches]:
+                       has_initial_state: bool, input_dtype
+                       ) -> tuple[KernelLaunch, state_chain.ChainLaunches]:
     """The forward's launches over segments: the state-output kernel (states
     K-first, every segment from a start state) and the chain's map and fold
-    (:mod:`kda_jax.triton.state_chain`). The glue launches with them and
-    :mod:`kda_jax.aot` compiles them."""
+    (:mod:`kda_jax.triton.state_chain`). With 16-bit inputs (``input_dtype``)
+    and V a multiple of ``segments.state_block_v``, the state-output kernel
+    takes the V block and warps of ``segments`` where it sets them. The glue
+    launches with them and :mod:`kda_jax.aot` compiles them."""
     seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
+    # Float32 state tiles at V block 64 spilled on sm90 at K = 64, and 16-bit
+    # ones with masked V columns at K = 100 (kda_jax.aot): those keep the one
+    # pass's blocks.
+    # (The float32 fields too: 16-bit inputs have float32 intermediates in the
+    # interpreter.)
+    bv, warps = segments.state_block_v, segments.state_warps
+    if jnp.dtype(input_dtype).itemsize == 2 and (bv is None or vd % bv == 0):
+        if bv is not None:
+            config = dataclasses.replace(config, state_block_v=bv, state_block_v_fp32=bv)
+        if warps is not None:
+            config = dataclasses.replace(config, state_warps=warps, state_warps_fp32=warps)
     _, state = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
                                 work=work, has_a_log=False, has_dt_bias=False,
                                 has_initial_state=True)
     return state, state_chain.chain_launches(state, segments, use_h0=has_initial_state)
 
 
-def _segmented_state_output(p, tables, segments, initial_state, out_dtype, *, h, hv, kd, vd, b,
-                            t, opts, config, work, n_chunk_rows):
+def _segmented_state_output(p, tables, launches, initial_state, out_dtype, *, hv, kd, vd, b, t,
+                            opts, n_chunk_rows):
     """The state pass over segments (:mod:`kda_jax.triton.state_chain`): maps,
     fold, then the state-output kernel per segment from its start state.
-    ``p``: the prepare kernel's outputs. Same result as the one pass."""
+    ``p``: the prepare kernel's outputs; ``launches``: segmented_launches'.
+    Same result as the one pass."""
     tokens = b * t
     f32 = jnp.float32
-    state, chain = segmented_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
-                                      work=work, segments=segments,
-                                      has_initial_state=initial_state is not None)
+    state, chain = launches
     meta = state_chain.segment_meta(tables)
     e, m = state_chain.segment_maps(chain, tables, meta, p["w"], p["u"], p["kt"], p["gl"],
                                     n_tokens=tokens, n_chunk_rows=n_chunk_rows)

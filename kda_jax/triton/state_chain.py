@@ -40,33 +40,38 @@ from kda_jax.triton.launch import KernelLaunch, dot_code, launch_kernel, stand_i
 __all__ = ["ChainLaunches", "chain_tables", "chain_launches", "segment_meta", "k_first",
            "segment_maps", "fold_states", "per_sequence"]
 
-# The fold's tiles: [K, FOLD_BV] states, [K, FOLD_BJ] slices of M, and its
-# warps. Slices of 16: with 32, tf32x3 products at K = 128 took 255 registers
-# on sm90 and spilled at 4 warps, and bf16x3 ones spilled on gfx942 at 8
-# (kda_jax.aot).
+# The fold's states are [K, FOLD_BV] tiles; its M slices and warps are
+# SegmentConfig.fold_block_j / fold_warps.
 FOLD_BV = 32
-FOLD_BJ = 16
-FOLD_WARPS = 4
 
 
 def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int, kd: int,
-                 vd: int, block_v: int, split_k: bool, backward: bool = False
-                 ) -> SegmentTables | None:
+                 vd: int, block_v: int, split_k: bool, backward: bool = False,
+                 segment_block_v: int | None = None) -> SegmentTables | None:
     """The segment tables of a call under the rule ``cfg`` (its backward
     threshold for ``backward``), or None: it runs unsegmented. ``block_v``:
     the state pass's V block (its programs per sequence and head are
-    cdiv(V, block_v)); ``split_k``: the state pass holds the state as two K
-    halves (then no segments). Host bounds only."""
+    cdiv(V, block_v)); ``segment_block_v``: the V block of that pass over
+    segments, where it differs (None: ``block_v``); ``split_k``: the state
+    pass holds the state as two K halves (then no segments). Host bounds
+    only."""
     if not isinstance(bounds, SeqBounds) or split_k or next_pow2(max(kd, 16)) > 128:
         return None
     per = segment_chunks(
         bounds, chunk_size, hv=hv, programs_per_seq_head=-(-vd // block_v),
         min_programs=cfg.backward_min_programs if backward else cfg.min_programs,
-        target_programs=cfg.target_programs, min_segment_chunks=cfg.min_segment_chunks,
-        min_segments=cfg.min_segments, forced_segment_chunks=cfg.segment_chunks)
+        target_programs=_backward_or(cfg.backward_target_programs, cfg.target_programs, backward),
+        min_segment_chunks=_backward_or(cfg.backward_min_segment_chunks, cfg.min_segment_chunks,
+                                        backward),
+        min_segments=cfg.min_segments, forced_segment_chunks=cfg.segment_chunks,
+        segment_programs_per_seq_head=None if segment_block_v is None else -(-vd // segment_block_v))
     if per is None:
         return None
     return segment_tables(segment_plan(bounds, chunk_size, per), chunk_size)
+
+
+def _backward_or(backward_value, value, backward: bool):
+    return backward_value if backward and backward_value is not None else value
 
 
 class ChainLaunches(NamedTuple):
@@ -79,28 +84,31 @@ class ChainLaunches(NamedTuple):
 
 
 def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, use_h0: bool,
-                   use_final_grad: bool = False) -> ChainLaunches:
+                   use_final_grad: bool = False, backward: bool = False) -> ChainLaunches:
     """Launches for a call whose state pass is ``state`` (the map kernel is
     that pass without its outputs: its V block, product precision, warps and
-    stages, unless ``cfg`` sets them) and the fold's float32 products at
-    ``cfg.fold_dot``. ``use_h0``: the forward fold starts from initial
-    states; ``use_final_grad``: the reverse fold from final-state cotangents."""
+    stages, unless ``cfg`` sets them for the forward; ``backward``: the
+    backward's map, which always takes its state pass's) and the fold's
+    float32 products at ``cfg.fold_dot``. ``use_h0``: the forward fold
+    starts from initial states; ``use_final_grad``: the reverse fold from
+    final-state cotangents."""
     c = state.constexprs
     hv, kd, vd, chunk_size = c["HV"], c["K"], c["V"], c["BT"]
     bk = next_pow2(max(kd, 16))
+    own = lambda value, fallback: fallback if backward or value is None else value
     map_ = KernelLaunch("kda_segment_map_kernel", dict(
         HV=hv, K=kd, V=vd, BT=chunk_size, BK=bk,
-        BV=c["BV"] if cfg.map_block_v is None else min(next_pow2(max(vd, 16)), cfg.map_block_v),
-        DOT=c["DOT"]), state.num_warps if cfg.map_warps is None else cfg.map_warps,
-        state.num_stages)
+        BV=min(next_pow2(max(vd, 16)), own(cfg.map_block_v, c["BV"])),
+        DOT=c["DOT"]), own(cfg.map_warps, state.num_warps), own(cfg.map_stages, state.num_stages))
     fold = dict(HV=hv, K=kd, V=vd, BK=bk, BV=min(next_pow2(max(vd, 16)), FOLD_BV),
-                BJ=min(bk, FOLD_BJ), DOT=dot_code(cfg.fold_dot))
+                BJ=bk if cfg.fold_block_j is None else min(bk, cfg.fold_block_j),
+                DOT=dot_code(cfg.fold_dot))
     return ChainLaunches(
         map_,
         KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_h0, REVERSE=False),
-                     FOLD_WARPS, 1),
+                     cfg.fold_warps, 1),
         KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_final_grad, REVERSE=True),
-                     FOLD_WARPS, 1))
+                     cfg.fold_warps, 1))
 
 
 def segment_meta(tables: SegmentTables) -> dict:
