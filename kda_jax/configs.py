@@ -608,9 +608,11 @@ class SegmentConfig:
     backward_min_programs: the backward's threshold in place of
       min_programs (its reverse pass runs twice over the segments, so it
       pays off at fewer programs); 0: never (unless forced).
-    target_programs: the segments give at most this many programs of the
-      forward's state-output pass over segments (at its V blocks:
-      state_block_v below), unless min_segment_chunks makes fewer.
+    target_programs: the cut sequences' segments give at most this many
+      programs of the forward's state-output pass over segments (at its V
+      blocks: state_block_v below; min_segment_chunks may make fewer, and a
+      sequence too short to cut adds its own). When fewer than min_segments
+      segments per sequence fit, the call runs one pass.
     min_segment_chunks: no segment shorter than this many chunks (each
       segment adds a [K, K] transition and a step of the fold); segments run
       from this length to just under twice it.
@@ -625,9 +627,9 @@ class SegmentConfig:
     xla: apply the rule on the XLA path too (its state pass is a scan over
       the longest segment's chunks instead of the longest sequence's).
     state_block_v / state_warps: the forward's state-output pass over
-      segments with 16-bit intermediates, when V is a multiple of the block:
-      its V block and warps (None, float32 intermediates and masked V
-      columns: ForwardConfig's, as the one pass).
+      segments with 16-bit inputs, when V is a multiple of the block: its V
+      block and warps (None, float32 inputs and masked V columns:
+      ForwardConfig's, as the one pass).
     map_block_v / map_warps / map_stages: the forward's map kernel: its
       column block, warps and pipeline stages (kernels/segments.py; None:
       those of the forward's state pass over segments). The backward's map
@@ -654,7 +656,7 @@ class SegmentConfig:
     map_warps: int | None = None
     map_stages: int | None = None
     fold_dot: str = "ieee"
-    fold_block_j: int | None = 16
+    fold_block_j: int | None = 16  # slices of 16 compile without spills on every target
     fold_warps: int = 4
 
     def __post_init__(self):
@@ -703,8 +705,10 @@ class SegmentConfig:
 # the same segments in one wave of up to 256 programs. The backward segments
 # below 64 programs, at its own V blocks (8 at V = 128), in segments of at
 # least 128 chunks that give at most 512 programs. The fold reads each map
-# whole at 8 warps (170 registers at K = 128). Measured on the H200 in
-# docs/tuning.md ("Segmented state chain", "Segment geometry").
+# whole at 8 warps (205 registers at K = 128). Measured on the H200 in
+# docs/tuning.md ("Segmented state chain", "Segment geometry"). At 17 to 31
+# heads fewer than 4 segments per sequence fit in 128 programs, so the forward
+# runs one pass there (not measured).
 # The segmented state passes keep three stages: at one (three blocks per SM)
 # the forward was 14-46 % slower.
 # The AMD targets and other GPUs: off until measured there (force it with

@@ -211,7 +211,7 @@ def segment_chunks(bounds: SeqBounds, chunk_size: int, *, hv: int, programs_per_
     programs (non-empty sequences x ``hv`` x ``programs_per_seq_head``, the V
     blocks of the state kernel). Then sequences are cut into at most
     ``wanted = max(1, floor(target_programs / (hv x per head)))`` segments
-    in all (per head: ``segment_programs_per_seq_head``, the V blocks of
+    in all (a sequence too short to cut stays one segment beside them) (per head: ``segment_programs_per_seq_head``, the V blocks of
     the pass over segments), so that they give at most ``target_programs``
     programs: at least ``floor(total chunks / (wanted + 1)) + 1`` chunks per
     segment (the shortest length that makes no more), but never fewer than

@@ -125,24 +125,26 @@ def kda_segment_fold_kernel(
         base = i_s.to(tl.int64) * HV + i_hv
         p_s = s + base * K * V
         tl.store(p_s + o_s, b_s, mask=m_kv)
-        if i < count - 1 and BJ == BK:
-            if REVERSE:
-                p_m = m + base * K * K + o_k[None, :] * K + o_k[:, None]
-            else:
-                p_m = m + base * K * K + o_k[:, None] * K + o_k[None, :]
-            b_m = tl.load(p_m, mask=m_k[:, None] & m_k[None, :], other=0.)
-            b_s = tl.load(e + base * K * V + o_s, mask=m_kv, other=0.) + dot(b_m, b_s, DOT)
-        elif i < count - 1:
-            tl.debug_barrier()  # the slices below are read by other threads
-            b_s = tl.load(e + base * K * V + o_s, mask=m_kv, other=0.)
-            for j in tl.static_range(0, BK, BJ):
-                o_c = j + o_j
-                m_c = o_c < K
+        if i < count - 1:
+            if BJ == BK:  # the map whole
                 if REVERSE:
-                    p_m = m + base * K * K + o_c[None, :] * K + o_k[:, None]
+                    p_m = m + base * K * K + o_k[None, :] * K + o_k[:, None]
                 else:
-                    p_m = m + base * K * K + o_k[:, None] * K + o_c[None, :]
-                b_m = tl.load(p_m, mask=m_k[:, None] & m_c[None, :], other=0.)
-                b_p = tl.load(p_s + o_c[:, None] * V + o_v[None, :],
-                              mask=m_c[:, None] & m_v[None, :], other=0., cache_modifier=".cg")
-                b_s += dot(b_m, b_p, DOT)
+                    p_m = m + base * K * K + o_k[:, None] * K + o_k[None, :]
+                b_m = tl.load(p_m, mask=m_k[:, None] & m_k[None, :], other=0.)
+                b_s = tl.load(e + base * K * V + o_s, mask=m_kv, other=0.) + dot(b_m, b_s, DOT)
+            else:
+                tl.debug_barrier()  # the slices below are read by other threads
+                b_s = tl.load(e + base * K * V + o_s, mask=m_kv, other=0.)
+                for j in tl.static_range(0, BK, BJ):
+                    o_c = j + o_j
+                    m_c = o_c < K
+                    if REVERSE:
+                        p_m = m + base * K * K + o_c[None, :] * K + o_k[:, None]
+                    else:
+                        p_m = m + base * K * K + o_k[:, None] * K + o_c[None, :]
+                    b_m = tl.load(p_m, mask=m_k[:, None] & m_c[None, :], other=0.)
+                    b_p = tl.load(p_s + o_c[:, None] * V + o_v[None, :],
+                                  mask=m_c[:, None] & m_v[None, :], other=0.,
+                                  cache_modifier=".cg")
+                    b_s += dot(b_m, b_p, DOT)

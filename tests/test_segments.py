@@ -253,7 +253,7 @@ def test_segmented_pass_v_block_only_for_whole_16_bit_blocks():
     from kda_jax.options import KdaOptions
     from kda_jax.triton.forward import segmented_launches
 
-    seg = configs.SegmentConfig(state_block_v=64, state_warps=8, map_block_v=64, map_stages=2)
+    seg = configs.SegmentConfig(state_block_v=64, state_warps=2, map_block_v=64, map_stages=2)
     fwd = configs.FORWARD["sm90"]
 
     def launch(dtype, vd):
@@ -264,7 +264,7 @@ def test_segmented_pass_v_block_only_for_whole_16_bit_blocks():
         return (state.constexprs["BV"], state.num_warps, chain.map.constexprs["BV"],
                 chain.map.num_stages)
 
-    assert launch(jnp.bfloat16, 128) == (64, 8, 64, 2)
+    assert launch(jnp.bfloat16, 128) == (64, 2, 64, 2)
     assert launch(jnp.bfloat16, 96) == (fwd.state_block_v, fwd.state_warps, 64, 2)
     assert launch(jnp.float32, 128) == (fwd.state_block_v_fp32, fwd.state_warps_fp32, 64, 2)
     from kda_jax.triton.launch import KernelLaunch
@@ -272,6 +272,38 @@ def test_segmented_pass_v_block_only_for_whole_16_bit_blocks():
                              4, 3)
     bwd_map = state_chain.chain_launches(bwd_state, seg, use_h0=False, backward=True).map
     assert (bwd_map.constexprs["BV"], bwd_map.num_warps, bwd_map.num_stages) == (16, 4, 3)
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
+@pytest.mark.parametrize("kd,block_j", [(32, 16), (24, None), (24, 16)])
+def test_triton_fold_whole_or_sliced(kd, block_j, check_close, check_rel_rms):
+    """The fold kernel reads each map whole (fold_block_j None) or in 16-column
+    slices, forward and reverse (the gradient), at K = 32 and at a masked
+    K = 24: outputs, final states and gradients against the reference."""
+    x = make_inputs(5, B=1, T=140, H=1, HV=2, K=kd, V=16, N=2)
+    cu = [0, 100, 140]
+    fn = functools.partial(kda_jax.chunk_kda, implementation="triton", chunk_size=32)
+    fwd = jax.jit(lambda q, k, v, g, b, h: fn(q, k, v, g, b, initial_state=h,
+                                              output_final_state=True, cu_seqlens=cu))
+    args = (*x.args(), x.initial_state)
+    rng = np.random.default_rng(8)
+    launches = []
+    real = state_chain.fold_states
+    with configs.override_segments(dataclasses.replace(FORCED, fold_block_j=block_j)), \
+            pytest.MonkeyPatch.context() as mp:
+        mp.setattr(state_chain, "fold_states",
+                   lambda launch, *a, **kw: launches.append(launch) or real(launch, *a, **kw))
+        o, f = fwd(*args)
+        w_o = rng.standard_normal(o.shape).astype(np.float32)
+        w_f = rng.standard_normal(f.shape).astype(np.float32)
+        grads = jax.jit(jax.grad(_loss(fn, cu), argnums=tuple(range(6))))(*args, w_o, w_f)
+    assert {(l.constexprs["BJ"], l.constexprs["REVERSE"]) for l in launches} == {
+        (32 if block_j is None else 16, False), (32 if block_j is None else 16, True)}
+    ro, rf, rg = _reference(x, cu, w_o, w_f)
+    check_close(o, ro, "float32", "o")
+    check_close(f, rf, "float32", "final_state")
+    for name, got, want in zip(NAMES, grads, rg):
+        check_rel_rms(got, want, 1e-4, f"d{name}")
 
 
 def test_segmented_dense_bf16_every_transform_state_v_first(check_close):
@@ -444,9 +476,30 @@ def test_map_launch_follows_the_state_pass_unless_set():
                          dict(HV=4, K=128, V=128, BT=64, BV=32, DOT=0), 4, 3)
     plain = state_chain.chain_launches(state, configs.SegmentConfig(), use_h0=False).map
     assert (plain.constexprs["BV"], plain.num_warps, plain.num_stages) == (32, 4, 3)
-    cfg = configs.SegmentConfig(map_block_v=64, map_warps=8, map_stages=2)
-    set_ = state_chain.chain_launches(state, cfg, use_h0=False).map
-    assert (set_.constexprs["BV"], set_.num_warps, set_.num_stages) == (64, 8, 2)
+    cfg = configs.SegmentConfig(map_block_v=64, map_warps=8, map_stages=2, fold_block_j=None,
+                                fold_warps=2)
+    chain = state_chain.chain_launches(state, cfg, use_h0=False)
+    assert (chain.map.constexprs["BV"], chain.map.num_warps, chain.map.num_stages) == (64, 8, 2)
+    # The fold: whole maps (BJ = BK) at fold_warps, both directions; slices by default.
+    for fold in (chain.fold, chain.fold_reverse):
+        assert (fold.constexprs["BJ"], fold.constexprs["BK"], fold.num_warps) == (128, 128, 2)
+    plain_fold = state_chain.chain_launches(state, configs.SegmentConfig(), use_h0=False).fold
+    assert (plain_fold.constexprs["BJ"], plain_fold.num_warps) == (16, 4)
+
+
+def test_backward_rule_fields_fall_back_to_the_forward():
+    """backward_target_programs / backward_min_segment_chunks apply to the
+    backward where set, and the forward's values where None."""
+    bounds = SeqBounds([0, 64 * 64])  # 64 chunks of 64
+    lengths = lambda cfg, backward: (state_chain.chain_tables(
+        bounds, cfg, chunk_size=64, hv=1, kd=16, vd=16, block_v=16, split_k=False,
+        backward=backward).plan.segments.lengths // 64).tolist()
+    rule = configs.SegmentConfig(min_programs=8, backward_min_programs=8, target_programs=8,
+                                 min_segment_chunks=4)
+    assert lengths(rule, False) == [8] * 8 and lengths(rule, True) == [8] * 8
+    own = dataclasses.replace(rule, backward_target_programs=4, backward_min_segment_chunks=16)
+    assert lengths(own, False) == [8] * 8
+    assert lengths(own, True) == [16] * 4
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")

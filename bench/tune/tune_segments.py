@@ -14,6 +14,7 @@ one pass. bf16 q, k, v; K = V = --head-dim.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -33,13 +34,16 @@ CONFIGS = "32,64,128,64x64x4,128x64x8"
 
 
 def _config_of(text: str) -> configs.SegmentConfig:
-    """'128' -> 128-chunk segments; '128x64x8' -> also the map kernel at 64 columns, 8 warps."""
+    """'128' -> 128-chunk segments; '128x64x8' -> also the map kernel at 64 columns, 8 warps;
+    every other field the device's config."""
     parts = text.split("x")
     if len(parts) not in (1, 3) or not all(x.isdigit() for x in parts):
         raise ValueError(f"config {text!r} must be CHUNKS or CHUNKSxMAP_BLOCK_VxMAP_WARPS")
-    values = [int(x) for x in parts] + [None, None]
-    return configs.SegmentConfig(segment_chunks=values[0], map_block_v=values[1],
-                                 map_warps=values[2])
+    values = [int(x) for x in parts]
+    fields = dict(segment_chunks=values[0])
+    if len(values) == 3:
+        fields.update(map_block_v=values[1], map_warps=values[2])
+    return dataclasses.replace(configs.segment_config(), **fields)
 
 
 def main(argv=None):

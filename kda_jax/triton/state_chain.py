@@ -71,7 +71,14 @@ def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int
 
 
 def _backward_or(backward_value, value, backward: bool):
+    """A rule's backward field where the backward sets it, else the forward's."""
     return backward_value if backward and backward_value is not None else value
+
+
+def _forward_only(value, state_value, backward: bool):
+    """A map launch field: the forward's setting where it has one, else (and
+    always in the backward) the state pass's."""
+    return state_value if backward or value is None else value
 
 
 class ChainLaunches(NamedTuple):
@@ -95,11 +102,11 @@ def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, use_h0: b
     c = state.constexprs
     hv, kd, vd, chunk_size = c["HV"], c["K"], c["V"], c["BT"]
     bk = next_pow2(max(kd, 16))
-    own = lambda value, fallback: fallback if backward or value is None else value
     map_ = KernelLaunch("kda_segment_map_kernel", dict(
         HV=hv, K=kd, V=vd, BT=chunk_size, BK=bk,
-        BV=min(next_pow2(max(vd, 16)), own(cfg.map_block_v, c["BV"])),
-        DOT=c["DOT"]), own(cfg.map_warps, state.num_warps), own(cfg.map_stages, state.num_stages))
+        BV=min(next_pow2(max(vd, 16)), _forward_only(cfg.map_block_v, c["BV"], backward)),
+        DOT=c["DOT"]), _forward_only(cfg.map_warps, state.num_warps, backward),
+        _forward_only(cfg.map_stages, state.num_stages, backward))
     fold = dict(HV=hv, K=kd, V=vd, BK=bk, BV=min(next_pow2(max(vd, 16)), FOLD_BV),
                 BJ=bk if cfg.fold_block_j is None else min(bk, cfg.fold_block_j),
                 DOT=dot_code(cfg.fold_dot))
