@@ -705,7 +705,7 @@ class SegmentConfig:
 # the same segments in one wave of up to 256 programs. The backward segments
 # below 64 programs, at its own V blocks (8 at V = 128), in segments of at
 # least 128 chunks that give at most 512 programs. The fold reads each map
-# whole at 8 warps (205 registers at K = 128). Measured on the H200 in
+# whole at 8 warps (170 registers at K = 128). Measured on the H200 in
 # docs/tuning.md ("Segmented state chain", "Segment geometry"). At 17 to 31
 # heads fewer than 4 segments per sequence fit in 128 programs, so the forward
 # runs one pass there (not measured).
