@@ -672,11 +672,11 @@ class SegmentConfig:
                 raise ValueError(f"{name}={value!r} must be None or one of {allowed}")
         if isinstance(self.fold_warps, bool) or self.fold_warps not in (1, 2, 4, 8):
             raise ValueError(f"fold_warps={self.fold_warps!r} must be one of (1, 2, 4, 8)")
+        optional = ("backward_target_programs", "backward_min_segment_chunks")
         for name in ("min_programs", "target_programs", "min_segment_chunks",
-                     "backward_min_programs", "min_segments", "backward_target_programs",
-                     "backward_min_segment_chunks"):
+                     "backward_min_programs", "min_segments") + optional:
             value = getattr(self, name)
-            if value is None and name.startswith("backward_") and name != "backward_min_programs":
+            if value is None and name in optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")

@@ -211,12 +211,13 @@ def segment_chunks(bounds: SeqBounds, chunk_size: int, *, hv: int, programs_per_
     programs (non-empty sequences x ``hv`` x ``programs_per_seq_head``, the V
     blocks of the state kernel). Then sequences are cut into at most
     ``wanted = max(1, floor(target_programs / (hv x per head)))`` segments
-    in all (a sequence too short to cut stays one segment beside them) (per head: ``segment_programs_per_seq_head``, the V blocks of
-    the pass over segments), so that they give at most ``target_programs``
-    programs: at least ``floor(total chunks / (wanted + 1)) + 1`` chunks per
-    segment (the shortest length that makes no more), but never fewer than
-    ``min_segment_chunks`` (each segment adds a fold step and a [K, K]
-    transition). None unless some sequence then makes
+    in all (per head: ``segment_programs_per_seq_head``, the V blocks of the
+    pass over segments), so that the cut sequences give at most
+    ``target_programs`` programs (a sequence too short to cut stays one
+    segment beside them): at least ``floor(total chunks / (wanted + 1)) + 1``
+    chunks per segment (the shortest length that makes no more), but never
+    fewer than ``min_segment_chunks`` (each segment adds a fold step and a
+    [K, K] transition). None unless some sequence then makes
     ``min_segments`` segments or more (a sequence cut in two runs its map and
     its state pass over half its chunks each: no shorter than one pass).
     ``segment_programs_per_seq_head``: the segmented pass's programs per

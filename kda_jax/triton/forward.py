@@ -225,9 +225,8 @@ def segmented_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
     # Float32 state tiles at V block 64 spilled on sm90 at K = 64, and 16-bit
     # ones with masked V columns at K = 100 (kda_jax.aot): those keep the one
-    # pass's blocks.
-    # (The float32 fields too: 16-bit inputs have float32 intermediates in the
-    # interpreter.)
+    # pass's blocks. The float32 fields are set too, since 16-bit inputs have
+    # float32 intermediates in the interpreter.
     bv, warps = segments.state_block_v, segments.state_warps
     if jnp.dtype(input_dtype).itemsize == 2 and (bv is None or vd % bv == 0):
         if bv is not None:
