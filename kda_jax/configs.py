@@ -125,13 +125,14 @@ class ForwardConfig:
 # written out. Why each is as it is, in a sentence; the measurements behind
 # them are in docs/tuning.md ("Launch configs").
 FORWARD = {
-    # Whole-chunk [64, 32] prepare tiles at 4 warps, their K-slice loads staged
-    # three deep; tf32 Akk/Aqk and bf16 w/u stay within the bf16 tolerance
+    # Whole-chunk [64, 32] prepare tiles at 8 warps (at 4 the dyadic products'
+    # float64 cumsum spills), their K-slice loads staged three deep; tf32
+    # Akk/Aqk and bf16 w/u stay within the bf16 tolerance
     # (fp32-grade products cost 10-60 %), float32 inputs get fp32-grade
     # products; three state stages, two for float32 tiles (three outgrow
     # shared memory).
     "sm90": ForwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=3,
+        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=3,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
@@ -150,10 +151,12 @@ FORWARD = {
         state_block_v_wide=32, state_warps_wide=2,
         state_block_v_fp32=32, state_warps_fp32=2, state_stages_fp32=1),
     # gfx950's entry (the same wave64 CU, CDNA3, with 64 KiB of LDS) but for
-    # the float32 state tiles: [K, 16] at 4 waves, since bf16x3 products of
-    # [K, 32] at 2 waves take 277 VGPRs and halve the occupancy.
+    # the prepare kernel at 8 waves (at 4 it spilled 2 VGPRs with every
+    # transform on) and the float32 state tiles: [K, 16] at 4 waves, since
+    # bf16x3 products of [K, 32] at 2 waves take 277 VGPRs and halve the
+    # occupancy.
     "gfx942": ForwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16", inverse_dot="bf16x3", fp32_dot="bf16x3",
         state_block_v=32, state_warps=2, state_stages=2,
         state_block_v_wide=32, state_warps_wide=2,
@@ -174,11 +177,12 @@ FORWARD = {
         state_block_v_fp32=32, state_warps_fp32=4, state_stages_fp32=2),
 }
 FORWARD_C32 = {
-    # 64-wide K slices: ptxas caps the prepare kernel's registers lower at
-    # chunk 32, and narrower slices spill at K = 100; the float32 state kernel
-    # takes 4 warps (8 spill at K = 128).
+    # 64-wide K slices at 8 warps: ptxas caps the prepare kernel's registers
+    # lower at chunk 32, narrower slices spill at K = 100, and 4 warps spill
+    # with the in-kernel transforms; the float32 state kernel takes 4 warps
+    # (8 spill at K = 128).
     "sm90": ForwardConfig(
-        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
+        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=8, prepare_stages=1,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
@@ -486,7 +490,7 @@ BACKWARD = {
     # the in-kernel gate's float32 intermediates up to K = 128 (at K = 256 the
     # float32 state passes spill over a KiB).
     "sm90": BackwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
+        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=3,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,

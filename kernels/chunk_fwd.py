@@ -14,28 +14,24 @@ Layouts (tokens of all sequences packed along T):
   w, qg, kt [T, HV, K]; u [T, HV, V]; aqk [T, HV, BT]; gl [NC, HV, K] fp32;
   x [T, HV, BT] fp32 (the inverse, transposed: row i of a chunk holds
     column i of X; for the backward's recompute only);
-  gc [T, HV, K] fp32 (the prepare kernel's scratch: G);
+  gc [T, HV, K] fp32 (G, for the backward's recompute);
   states [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST) fp32.
 Varlen comes from one int32 metadata buffer: cu_seqlens at ``off_cu``,
 chunk_offsets at ``off_co`` and the (sequence, chunk) table at ``off_ct``,
 read through kernels.varlen, which clamps every index taken from it to the
 arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 
-The prepare kernel works on whole-chunk tiles [BT, BK]. Every exponent of a
-decay factor is bounded: the intra-chunk products anchor on the middle row of
-the chunk (factors within e^(+-ANCHOR_SPAN)); a chunk whose gates are
-steeper anchors per BS-row block (factors <= 1) while its depth keeps the
-rounding of differences of G small, and falls back to exact pairwise
-exponents, column by column, beyond (kernels/common.py, product_path); there
-the exponents are partial sums of the log-decays (floored at GATE_FLOOR,
-kernels/gate.py), so their error is relative to themselves, not to |G|.
+The prepare kernel works on whole-chunk tiles [BT, BK]. Every decay factor
+of its intra-chunk products is e^(partial sum of log-decays) <= 1, by one
+dyadic scheme whose cost does not depend on the gate values
+(_decay_product): any g in [-inf, 0] (floored at GATE_FLOOR, kernels/gate.py)
+gives finite factors accurate relative to themselves.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (BS, anchor_rows, chunk_rows, decay_row, dot, g_rows, g_tile, next_decay_row,
-                     product_path, row_of, store_zero_rows, suffix_exponent, tile)
+from .common import chunk_rows, decay_row, dot, next_decay_row, store_zero_rows, tile
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
@@ -87,70 +83,49 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _pairwise_product(b_out, b_a, b_k, b_g, o_t, n_rows):
-    """b_out [BT, BT] plus a_i . k_j e^(G_i - G_j) on and below the diagonal,
-    for one K slice, column by column (accumulated in place: one [BT, BT]
-    tile live); G_i - G_j is summed from the log-decays b_g of rows j + 1 .. i
-    (a partial sum: exact for any gate, however large G)."""
-    for j in range(0, n_rows):
-        b_kj = row_of(b_k, o_t, j)
-        m_i = o_t[:, None] >= j
-        b_d = tl.cumsum(tl.where(o_t[:, None] > j, b_g, 0.), axis=0)
-        b_ke = tl.where(m_i, tl.exp(tl.where(m_i, b_d, 0.)), 0.)
-        b_col = tl.sum(b_a * b_ke * b_kj[None, :], axis=1)
-        b_out += tl.where(o_t[None, :] == j, b_col[:, None], 0.)
-    return b_out
+def _rows_of(b_p, rows):
+    """b_p [BT, BK] at the row rows[i] for each row i."""
+    return tl.gather(b_p, tl.broadcast_to(rows[:, None], b_p.shape), 0)
 
 
 @triton.jit
-def _anchored_product(b_a, b_k, b_G, b_A, DOT: tl.constexpr):
-    """[BT, BT]: a_i . k_j e^(G_i - G_j) (garbage above the diagonal, masked
-    by the caller), for one K slice, as one matrix product through the anchor
-    A (b_A: the middle row's G): the row factor e^(G_i - A) and the column
-    factor e^(A - G_j) each stay within e^(+-ANCHOR_SPAN) when the chunk's
-    gates allow it (common.product_path); otherwise _blocked_product or
-    _pairwise_product."""
-    b_kc = b_k * tl.exp(b_A[None, :] - b_G)
-    return dot(b_a * tl.exp(b_G - b_A[None, :]), tl.trans(b_kc), DOT)
+def _decay_product(b_out, b_a, b_b, b_p, o_t, BT: tl.constexpr, INCLUSIVE: tl.constexpr,
+                   DOT: tl.constexpr):
+    """b_out [BT, BT] plus a_i . b_j e^(G_i - G_j) for j < i (j <= i with
+    INCLUSIVE), for one K slice (b_a, b_b [BT, BK]; b_p [BT, BK] float64 the
+    cumsum of the log-decays, <= 0, exact for our purposes: see below).
 
+    Dyadic: at level h (BT / 2, ..., 2, 1) the pairs with i in the second
+    and j in the first h rows of one aligned 2h-row block factor exactly
+    through that block's middle: e^(G_i - G_j) = e^(R[i]) e^(C[j]), R[i] the
+    log-decays summed from i's h-row segment's start to i, C[j] those after
+    j to its segment's end. A row factor and a column factor that are both
+    <= 1, whatever the gates, so nothing overflows and a factor underflows
+    only where the product is below float32's range too. One exponential
+    tile per level serves both sides (a row is a row in the second half of
+    its block, a column in the first), and one masked matrix product per
+    level gives its pairs; every pair i > j belongs to exactly one level.
+    The cost does not depend on the gate values, and the levels are a loop,
+    not unrolled, so that one level's tiles are live at a time.
 
-@triton.jit
-def _blocked_product(b_out, b_a, b_k, b_G, k, gc, t0, n_rows, o_t, i_h, i_hv, o_k, m_k, b_sk,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                     DOT: tl.constexpr):
-    """b_out [BT, BT] plus a_i . k_j e^(G_i - G_j) on and below the diagonal
-    (garbage-free elsewhere: zeros), for one K slice, anchored per BS-row
-    block: for row block I (rows n_I ..) against the columns j < n_I, the
-    anchor is G at row n_I, so the row factor e^(G_i - G_{n_I}) and the column
-    factor e^(G_{n_I} - G_j) are both <= 1 (G is non-increasing), one masked
-    product per block; the diagonal blocks take BS steps, step s the column
-    n_I + s of every block at once, whose k and G rows are loaded (a row of a
-    register tile is a reduction across the program). The exponents are
-    differences of G, with error about |G| * 6e-8: common.product_path admits
-    only chunks shallow enough for that. b_k is k * b_sk (the L2 row scales);
-    the rows loaded here are k itself, non-finite entries 0 as in pass 2."""
-    p_hk = i_hv * K
-    blk = (o_t // BS) * BS
-    m_any = (o_t * 0 < n_rows)[:, None] & m_k[None, :]
-    r_blk = (t0 + tl.maximum(tl.minimum(blk, n_rows - 1), 0)).to(tl.int64)
-    b_Ab = tl.load(gc + r_blk[:, None] * (HV * K) + p_hk + o_k[None, :], mask=m_any, other=0.)
-    b_ar = b_a * tl.exp(b_G - b_Ab)
-    for I in range(1, BT // BS):
-        r_I = (t0 + tl.maximum(tl.minimum(I * BS, n_rows - 1), 0)).to(tl.int64)
-        b_AI = tl.load(gc + r_I * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
-        m_c = o_t[:, None] < I * BS
-        b_kc = tl.where(m_c, b_k * tl.exp(tl.where(m_c, b_AI[None, :] - b_G, 0.)), 0.)
-        b_out += dot(tl.where((blk == I * BS)[:, None], b_ar, 0.), tl.trans(b_kc), DOT)
-    for s in range(0, BS):
-        jr = blk + s
-        m_j = jr < n_rows
-        b_kj, _ = _tile_checked(k, t0 + jr, m_j, i_h, o_k, m_k, H, K)
-        b_Gj = tl.load(gc + (t0 + jr).to(tl.int64)[:, None] * (HV * K) + p_hk + o_k[None, :],
-                       mask=m_j[:, None] & m_k[None, :], other=0.)
-        m_i = (o_t - blk >= s)[:, None]
-        b_e = tl.exp(tl.where(m_i, b_G - b_Gj, 0.))
-        b_col = tl.sum(tl.where(m_i, b_a * b_kj * b_e, 0.), axis=1)
-        b_out += tl.where(o_t[None, :] == jr[:, None], b_col[:, None] * b_sk[None, :], 0.)
+    R and C are differences of the float64 cumsum: float32 log-decays
+    floored at GATE_FLOOR sum exactly enough there (|G| <= 110 BT, so the
+    difference's error is below 1e-12), and each exponent is then rounded
+    once to float32, accurate relative to itself however deep the chunk."""
+    h = BT // 2
+    while h > 0:
+        b_second = ((o_t // h) % 2 == 1)[:, None]
+        s = (o_t // h) * h
+        b_before = tl.where((s > 0)[:, None], _rows_of(b_p, tl.maximum(s - 1, 0)), 0.)
+        b_exp = tl.where(b_second, b_p - b_before, _rows_of(b_p, s + h - 1) - b_p)
+        b_e = tl.exp(b_exp.to(tl.float32))
+        b_x = tl.where(b_second, b_a * b_e, 0.)
+        b_y = tl.where(b_second, 0., b_b * b_e)
+        m_blk = (o_t[:, None] // (2 * h)) == (o_t[None, :] // (2 * h))
+        b_out += tl.where(m_blk, dot(b_x, tl.trans(b_y), DOT), 0.)
+        h = h // 2
+    if INCLUSIVE:
+        b_out += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_a * b_b, axis=1)[:, None], 0.)
     return b_out
 
 
@@ -215,13 +190,10 @@ def kda_fwd_prepare_kernel(
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
     DOT_A: tl.constexpr, DOT_WU: tl.constexpr, DOT_INV: tl.constexpr, STORE_X: tl.constexpr,
 ):
-    """One program per (chunk, value head). With STORE_X it also writes
-    X^T, X = (I + L)^-1 (fp32, [T, HV, BT]), for the backward, whose products
-    take X^T; x is unused otherwise.
-    gc [T, HV, K] fp32 is scratch: the chunk-local cumsum G, written in pass 0
-    and read back after a barrier, so that its anchor and last rows are loads
-    (taking a row out of a register tile is a reduction across the program)
-    and passes 1 and 2 read G instead of recomputing it.
+    """One program per (chunk, value head). With STORE_X (the backward's
+    recompute) it also writes X^T, X = (I + L)^-1 (fp32, [T, HV, BT]), and G,
+    the chunk-local cumsum of the log-decay (fp32, gc [T, HV, K]), which the
+    backward's kernels read; x and gc are unused otherwise.
 
     Non-finite inputs: every load replaces the entries that would poison the
     recurrence by 0 (kernels/gate.py), and records the rows that held one.
@@ -233,7 +205,6 @@ def kda_fwd_prepare_kernel(
     i_h = i_hv // (HV // H)
     t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens,
                                                  BT)
-    r_anchor, r_last = anchor_rows(t0, n_rows, BT)
 
     # beta, transformed; rows past the sequence get 0 (no update).
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
@@ -256,60 +227,40 @@ def kda_fwd_prepare_kernel(
     if USE_GATE and (HAS_A_LOG or not HAS_LOWER_BOUND):
         b_alog = tl.load(A_log + i_hv).to(tl.float32)
 
-    # Pass 0: G, the chunk-local cumsum of the log-decay, into the scratch
-    # gc; then, from its anchor and last rows, exp(G_last) and one decision
-    # for the whole chunk of which path its products take (a reduction
-    # across the program is a barrier: once per chunk, not once per slice).
+    # Pass 1 over K slices: the log-decays, exp(G_last), Aqk, q*exp(G)*scale
+    # and k*exp(G_last - G). Aqk and Akk get a pass each, so only one
+    # [BT, BT] accumulator is live at a time (registers, not loads, bound
+    # this kernel); each pass recomputes the log-decays from g (a reload, not
+    # a scratch round trip). G is their cumsum, taken in float64 so that
+    # every exponent that is a difference of G is exact before its one
+    # rounding to float32 (_decay_product), however deep the chunk's decay.
     p_hk = i_hv * K
-    for ks in range(0, K, BK):
-        o_k = ks + tl.arange(0, BK)
-        m_k = o_k < K
-        b_g, b_bad = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
-                                     USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
-                                     LOWER_BOUND)
-        b_poison = b_poison | b_bad
-        b_G = tl.cumsum(b_g, axis=0)
-        p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        tl.store(gc + p_tk, b_G, mask=m_t[:, None] & m_k[None, :])
-    tl.debug_barrier()  # G's rows, stored by every thread, read by all
-    for ks in tl.static_range(0, K, BK):
-        o_k = ks + tl.arange(0, BK)
-        m_k = o_k < K
-        b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
-        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_last), mask=m_k)
-    path = product_path(gc, r_anchor, r_last, p_hk, n_rows, HV, K, BK)
-
-    # Pass 1 over K slices: Aqk, q*exp(G)*scale and k*exp(G_last - G).
-    # Aqk and Akk get a pass each, so only one [BT, BT] accumulator is live
-    # at a time (registers, not loads, bound this kernel). On the pairwise
-    # path, exponents that are differences of G come from partial sums of
-    # the log-decays instead (reloaded: that path only).
+    p_gl = gl + (i_c.to(tl.int64) * HV + i_hv) * K
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
-        b_G = g_tile(gc, p_tk, m_t, m_k, b_last)
-        b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
-        # k unchecked here: a non-finite k_j reaches Aqk's column j only,
-        # masked above the diagonal by a select, and kt's row j (the state
-        # after the chunk, poisoned below); pass 2 checks it.
-        b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        if path == 0:
-            b_aqk += _anchored_product(b_q, b_k, b_G, b_A, DOT_A)
-            b_sfx = b_last[None, :] - b_G
-        elif path == 1:
-            b_aqk = _blocked_product(b_aqk, b_q, b_k, b_G, k, gc, t0, n_rows, o_t, i_h, i_hv,
-                                     o_k, m_k, b_sk, H, HV, K, BT, DOT_A)
-            b_sfx = b_last[None, :] - b_G
-        else:
-            b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+        b_g, b_bad = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
-            b_aqk = _pairwise_product(b_aqk, b_q, b_k, b_g, o_t, n_rows)
-            b_sfx = suffix_exponent(b_g)
+        b_poison = b_poison | b_bad
+        # G in float64 (rows past the sequence repeat the last: g = 0 there)
+        b_p = tl.cumsum(b_g.to(tl.float64), axis=0)
+        b_G = b_p.to(tl.float32)
+        b_sfx = (_rows_of(b_p, o_t * 0 + BT - 1) - b_p).to(tl.float32)  # G_last - G
+        if STORE_X:
+            tl.store(gc + p_tk, b_G, mask=m_tk)
+        tl.store(p_gl + o_k, tl.exp(tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), axis=0)),
+                 mask=m_k)
+        b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
+        # k unchecked here: a non-finite k_j reaches Aqk's column j only
+        # (each level's pairs are taken by a select), below the diagonal,
+        # and kt's row j (the state after the chunk, poisoned below); pass 2
+        # checks it.
+        b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
+        b_aqk = _decay_product(b_aqk, b_q, b_k, b_p, o_t, BT, True, DOT_A)
         tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kt + p_tk, (b_k * tl.exp(b_sfx)).to(kt.dtype.element_ty), mask=m_tk)
     # Aqk, scaled, zero above the diagonal.
@@ -325,23 +276,15 @@ def kda_fwd_prepare_kernel(
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV, K)
-        b_G = g_tile(gc, p_tk, m_t, m_k, b_last)
+        b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+                                 USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND)
         b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
         b_poison = b_poison | b_bad
         b_k = b_k * b_sk[:, None]
-        if path == 0:
-            b_akk += _anchored_product(b_k, b_k, b_G, b_A, DOT_A)
-        elif path == 1:
-            b_akk = _blocked_product(b_akk, b_k, b_k, b_G, k, gc, t0, n_rows, o_t, i_h, i_hv,
-                                     o_k, m_k, b_sk, H, HV, K, BT, DOT_A)
-        else:
-            b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
-                                     USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
-                                     LOWER_BOUND)
-            b_akk = _pairwise_product(b_akk, b_k, b_k, b_g, o_t, n_rows)
-        tl.store(w + p_tk, (b_k * b_b[:, None] * tl.exp(b_G)).to(w.dtype.element_ty),
-                 mask=m_t[:, None] & m_k[None, :])
+        b_p = tl.cumsum(b_g.to(tl.float64), axis=0)
+        b_akk = _decay_product(b_akk, b_k, b_k, b_p, o_t, BT, False, DOT_A)
+        tl.store(w + p_tk, (b_k * b_b[:, None] * tl.exp(b_p.to(tl.float32))).to(
+            w.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
     b_x = _unit_lower_inverse(b_l, o_t, BT, DOT_INV)
     if STORE_X:

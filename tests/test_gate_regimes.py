@@ -1,0 +1,222 @@
+"""The gates models have (docs/kda.md sections 3 and 6): the forward's one
+dyadic product path for every gate, the backward's blocked-anchor products,
+against the float32 reference in float32 and bf16. Gates: a Kimi/KDA layer's
+in-kernel gate -exp(A_log) * softplus(x) with exp(A_log) in [1, 16] and
+x ~ N(0, 1); plain log-decays in [-12, -3] per token; the safe gate
+(lower_bound -5, PEERS.md's "safe" regime) precomputed and in the kernel with
+the L2 norm and beta sigmoid ("layer"), on varlen bounds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda_jax
+from kda_jax.kernels import chunk_bwd, chunk_fwd
+from kda_jax.testing import make_inputs
+from kda_jax.triton import interpret_mode, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=f"Triton path unavailable: {unavailable_reason()}")
+
+# A chunk of 64 rows and one of 36. The gradient tests take K = 80: two K
+# slices (a partial one) of the forward and of the backward's products.
+SHAPE = dict(B=1, T=100, H=2, K=32, V=16)
+GRAD_SHAPE = dict(SHAPE, K=80)
+GRAD_TOL = 1e-4 if (interpret_mode() or jax.default_backend() == "cpu") else 1e-3
+# bf16 inputs: tests/test_triton_grad.py's targets.
+GRAD_TOL_BF16 = dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2,
+                     A_log=2e-2, dt_bias=2e-2)
+
+
+def _case(kind, dtype, shape=SHAPE, a=(3.0, 12.0)):
+    """(inputs, chunk_kda keyword arguments). ``a``: exp(A_log) per head for
+    the in-kernel gate (depths of about 150 and 600 per 64-row chunk), which
+    comes with the in-kernel L2 norm of q and k."""
+    gate = kind == "gate"
+    x = make_inputs(11, dtype=dtype, raw_gate=gate, normalized_k=not gate, **shape)
+    if gate:  # as a layer: q and k normalized in the kernel
+        x.A_log[:] = np.log(np.asarray(a, np.float32))
+        x.dt_bias[:] = 0.0
+        return x, dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+    x.g = -np.random.default_rng(12).uniform(3.0, 12.0, x.g.shape).astype(np.float32)
+    return x, {}
+
+
+def _call(fn, params, kw, **extra):
+    gate = {n: params[n] for n in ("A_log", "dt_bias")} if "A_log" in params else {}
+    return fn(params["q"], params["k"], params["v"], params["g"], params["beta"],
+              initial_state=params["initial_state"], output_final_state=True, **kw, **gate,
+              **extra)
+
+
+def _params(x, kw):
+    gate = ["A_log", "dt_bias"] if kw.get("use_gate_in_kernel") else []
+    names = ["q", "k", "v", "g", "beta", "initial_state"] + gate
+    return {n: jnp.asarray(getattr(x, n)) for n in names}
+
+
+def _f32(params):
+    return {n: jnp.asarray(p, jnp.float32) for n, p in params.items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["gate", "plain"])
+def test_forward_matches_reference(kind, dtype, check_close):
+    x, kw = _case(kind, jnp.dtype(dtype))
+    params = _params(x, kw)
+    o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton")
+    ro, rs = _call(kda_jax.naive_recurrent_kda, _f32(params), kw)
+    check_close(o, ro, dtype, "o")
+    check_close(s, rs, dtype, "final_state")
+
+
+@pytest.mark.parametrize("kind,dtype", [("gate", "float32"), ("plain", "bfloat16")])
+def test_gradients_match_reference(kind, dtype, check_rel_rms):
+    x, kw = _case(kind, jnp.dtype(dtype), GRAD_SHAPE)
+    params = _params(x, kw)
+    rng = np.random.default_rng(1)
+    s = GRAD_SHAPE
+    w_o = rng.standard_normal((1, s["T"], s["H"], s["V"])).astype(np.float32)
+    w_s = rng.standard_normal((1, s["H"], s["K"], s["V"])).astype(np.float32)
+
+    def grads(fn, p, **extra):
+        def loss(p):
+            o, s = _call(fn, p, kw, **extra)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
+        return jax.jit(jax.grad(loss))(p)
+
+    ref = grads(kda_jax.naive_recurrent_kda, _f32(params))
+    got = grads(kda_jax.chunk_kda, params, implementation="triton")
+    for n, r in ref.items():
+        tol = GRAD_TOL if dtype == "float32" else GRAD_TOL_BF16[n]
+        check_rel_rms(got[n], r, tol, f"d{n}")
+
+
+def _spy(monkeypatch, module, name, calls):
+    """Counts the interpreter's calls of a kernel helper (module-level names
+    are looked up at each call there)."""
+    orig = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def _regime_inputs(regime, shape):
+    """(params, chunk_kda keyword arguments) for a gate regime: "mild" (fla's
+    benchmark gates), "safe" (the lower_bound -5 gate, precomputed),
+    "layer" (that gate in the kernel, with the L2 norm and beta sigmoid),
+    "softplus" (Kimi Linear's gate in the kernel, exp(A_log) up to 16) and
+    "floor" (log-decays of -1000: floored, exactly zero decay)."""
+    rng = np.random.default_rng(5)
+    raw = regime in ("layer", "softplus")
+    x = make_inputs(13, dtype=jnp.bfloat16, raw_gate=raw, normalized_k=not raw,
+                    beta_logits=regime == "layer", **shape)
+    hv, kd = x.g.shape[2], x.g.shape[3]
+    a_log = np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32)
+    dt_bias = rng.uniform(-0.5, 0.5, (hv, kd)).astype(np.float32)
+    if regime == "mild":
+        x.g = (np.log(1 / (1 + np.exp(-rng.standard_normal(x.g.shape)))) / 16).astype(np.float32)
+    elif regime == "safe":
+        z = np.exp(a_log)[:, None] * (rng.standard_normal(x.g.shape) + dt_bias)
+        x.g = (-5.0 / (1 + np.exp(-z))).astype(np.float32)
+    elif regime == "floor":
+        x.g = np.full(x.g.shape, -1000.0, np.float32)
+    kw = {}
+    if raw:
+        x.A_log[:] = a_log
+        x.dt_bias[:] = dt_bias.reshape(x.dt_bias.shape)
+        kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+        if regime == "layer":
+            kw.update(lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+    return _params(x, kw), kw
+
+
+@pytest.mark.skipif(not interpret_mode(), reason="observes the kernels in the interpreter")
+def test_forward_products_do_not_depend_on_the_gates(monkeypatch):
+    """The forward's prepare kernel runs the same products for every gate
+    regime (one dyadic path: the same number of _decay_product calls, two per
+    K slice, chunk and head); the backward's intra kernel takes its blocked
+    products on a layer's gates and the pairwise ones on a head at the floor."""
+    calls = {}
+    _spy(monkeypatch, chunk_fwd, "_decay_product", calls)
+    shape = dict(SHAPE, T=128)  # two full chunks per head, K = 32: one K slice
+    counts = {}
+    for regime in ("mild", "safe", "layer", "softplus", "floor"):
+        calls.clear()
+        params, kw = _regime_inputs(regime, shape)
+        _call(kda_jax.chunk_kda, params, kw, implementation="triton")
+        counts[regime] = calls.get("_decay_product", 0)
+    assert set(counts.values()) == {2 * 2 * shape["H"]}, counts
+
+    calls.clear()
+    for name in ("_products_blocked_bwd", "_products_exact_bwd"):
+        _spy(monkeypatch, chunk_bwd, name, calls)
+    params, kw = _regime_inputs("softplus", shape)
+    params["A_log"] = jnp.asarray(np.log([3.0, 12.0]), jnp.float32)
+    jax.jit(jax.grad(lambda p: jnp.sum(
+        _call(kda_jax.chunk_kda, p, kw, implementation="triton")[0].astype(jnp.float32)))
+    )(params)
+    assert set(calls) == {"_decay_product", "_products_blocked_bwd"}, calls
+
+
+# Varlen bounds with an empty and a one-token sequence; on a GPU, T >= 4096.
+_VARLEN = ([0, 1, 700, 37, 2000, 1358] if not interpret_mode() else [0, 1, 70, 37, 90])
+
+
+@pytest.mark.parametrize("regime", ["mild", "safe", "layer", "softplus", "floor"])
+def test_regimes_varlen_match_reference(regime, check_close):
+    """bf16 inputs at every gate regime, varlen bounds (empty and one-token
+    sequences, partial chunks), initial states: o and the final states within
+    the bf16 tolerance of the float32 reference."""
+    lengths = _VARLEN
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    shape = dict(B=1, T=int(cu[-1]), H=2, K=32 if interpret_mode() else 128,
+                 V=16 if interpret_mode() else 128)
+    params, kw = _regime_inputs(regime, shape)
+    params["initial_state"] = jnp.asarray(np.random.default_rng(3).standard_normal(
+        (len(lengths),) + params["initial_state"].shape[1:]).astype(np.float32))
+    bounds = kda_jax.SeqBounds(cu)
+    o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton", cu_seqlens=bounds)
+    ro, rs = _call(kda_jax.naive_recurrent_kda, _f32(params), kw, cu_seqlens=bounds)
+    check_close(o, ro, "bfloat16", "o")
+    check_close(s, rs, "bfloat16", "final_state")
+
+
+@pytest.mark.parametrize("field", ["k", "q"])
+def test_nonfinite_stays_causal(field):
+    """A NaN in k (q) at token 20 of a chunk with strong gates: outputs before it
+    (and the gradients there, with its outputs' cotangents zero) are
+    bit-identical to the run with a zero there; o from token 20 on (at token
+    20 only) is NaN (tests/test_nonfinite.py's contract on mild gates)."""
+    x, kw = _case("plain", jnp.dtype("float32"), dict(SHAPE, T=64, H=1))
+    tok = 20
+    bad, clean = _params(x, kw), _params(x, kw)
+    bad[field] = bad[field].at[0, tok, 0, 3].set(jnp.nan)
+    clean[field] = clean[field].at[0, tok, 0, 3].set(0.0)
+    out = lambda p: _call(kda_jax.chunk_kda, p, kw, implementation="triton")[0]
+    o, oc = np.asarray(out(bad)), np.asarray(out(clean))
+    np.testing.assert_array_equal(o[0, :tok], oc[0, :tok])
+    assert np.isnan(o[0, tok]).all()
+    if field == "q":
+        np.testing.assert_array_equal(o[0, tok + 1:], oc[0, tok + 1:])
+    else:
+        assert np.isnan(o[0, tok:]).all()
+    w = np.random.default_rng(2).standard_normal(o.shape).astype(np.float32)
+    w[0, tok:] = 0.0
+
+    def grads(p):
+        return jax.grad(lambda p: jnp.sum(jnp.where(w != 0, out(p), 0.0) * w))(p)
+
+    gb, gc = jax.jit(grads)(bad), jax.jit(grads)(clean)
+    for n in gb:
+        assert np.isfinite(np.asarray(gb[n])).all(), f"d{n} is not finite"
+        rows = slice(None) if n == "initial_state" else (0, slice(0, tok))
+        np.testing.assert_array_equal(np.asarray(gb[n])[rows], np.asarray(gc[n])[rows],
+                                      err_msg=n)
