@@ -497,7 +497,7 @@ BACKWARD = {
         state_stages_fp32=2, dstate_split_k=True,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
+        intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
         gate_fp32_max_k=128),
     # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
     # w/u included); float32 intermediates keep "ieee" in the state passes and
@@ -529,7 +529,7 @@ BACKWARD = {
         state_stages_fp32=1, dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
+        intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="ieee",
         gate_fp32_max_k=128),
     # Wave32: twice gfx950's warps for the recompute; the wy kernel at 16
     # warps and 32 x 64 blocks, where its halved X^T products fit 150 VGPRs

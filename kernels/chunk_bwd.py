@@ -44,19 +44,18 @@ dbeta comes in two parts (the wy kernel's [T, HV] and the intra kernel's
 kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
-have exponents <= 0, and the products' backward takes the forward's path
-(common.product_path): anchored on the chunk's middle row within
-e^(+-ANCHOR_SPAN), anchored per BS-row block, or an exact column-by-column
-fallback. The inter kernel and that fallback take exponents that are
-differences of G as partial sums of the log-decays g (the caller floors g at
-GATE_FLOOR), with error relative to themselves, not to |G|.
+have exponents <= 0, and the products' backward takes the forward's dyadic
+factors (common.level_factor, from a float64 cumsum of the log-decays g,
+which the caller floors at GATE_FLOOR): one path for every gate. The inter
+kernel takes e^(G_last - G) as partial sums of g, with error relative to
+themselves, not to |G|.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (BS, anchor_rows, chunk_rows, col_of, decay_row, dot, g_rows, g_tile,
-                     next_decay_row, product_path, row_of, suffix_exponent, tile)
+from .common import (chunk_rows, decay_row, dot, g_last_row, g_tile, level_factor,
+                     next_decay_row, suffix_exponent, tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
 
@@ -64,13 +63,12 @@ from .varlen import seq_chunks, seq_span
 @triton.jit
 def _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT: tl.constexpr, HV: tl.constexpr,
            K: tl.constexpr):
-    """(G [BT, BK], its anchor row, its last row) over the K slice o_k, from
-    the recompute's G scratch gc [T, HV, K] (no cumsum here); rows past the
-    sequence repeat the last row, as a cumsum over them would."""
-    r_anchor, r_last = anchor_rows(t0, n_rows, BT)
-    b_A, b_last = g_rows(gc, r_anchor, r_last, i_hv * K, o_k, m_k, n_rows, HV, K)
+    """(G [BT, BK], its last row) over the K slice o_k, from the recompute's
+    G gc [T, HV, K] (no cumsum here); rows past the sequence repeat the last
+    row, as a cumsum over them would."""
+    b_last = g_last_row(gc, t0, n_rows, i_hv * K, o_k, m_k, HV, K)
     p_tk = rows.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    return g_tile(gc, p_tk, m_t, m_k, b_last), b_A, b_last
+    return g_tile(gc, p_tk, m_t, m_k, b_last), b_last
 
 
 @triton.jit
@@ -289,7 +287,7 @@ def kda_bwd_inter_kernel(
         b_dkt += dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), DOT)
         b_dgl += tl.sum(b_dh * b_h, axis=1)
 
-    b_G, _, b_last = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
+    b_G, b_last = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_eg = tl.exp(b_G)
@@ -315,116 +313,36 @@ def kda_bwd_inter_kernel(
 
 
 @triton.jit
-def _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dakk, b_daqs, o_t, n_rows,
-                        BT: tl.constexpr, BK: tl.constexpr):
-    """Backward of the intra-chunk products, one column j at a time with
-    pairwise decays e^(G_i - G_j) (i > j, exponents < 0, summed from the
-    log-decays b_g of rows j + 1 .. i): exact for any gate. The diagonal
-    (e^0, dAqk's only: dL is strictly lower) is the caller's: it adds
-    nothing to dG.
-
-    Returns (dq, dk, dG, P) for this K slice, P_i = sum_j dL_ij k_j e^(G_i - G_j)
-    (dk gets beta * P and dbeta gets sum_K(k P) from the caller)."""
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dG = tl.zeros([BT, BK], dtype=tl.float32)
-    b_p = tl.zeros([BT, BK], dtype=tl.float32)
-    for j in range(0, n_rows):
-        b_kj = row_of(b_k, o_t, j)
-        m_i = o_t[:, None] > j
-        b_d = tl.cumsum(tl.where(m_i, b_g, 0.), axis=0)
-        b_e = tl.where(m_i, tl.exp(tl.where(m_i, b_d, 0.)), 0.)
-        b_ke = b_e * b_kj[None, :]
-        a_l = col_of(b_dl, o_t, j)
-        a_k = col_of(b_dakk, o_t, j)
-        a_q = col_of(b_daqs, o_t, j)
-        b_p += a_l[:, None] * b_ke
-        b_dq += a_q[:, None] * b_ke
-        b_src = a_k[:, None] * b_k + a_q[:, None] * b_q
-        b_t = b_src * b_ke
-        b_dG += b_t
-        m_j = o_t[:, None] == j
-        b_dk += tl.where(m_j, tl.sum(b_src * b_e, axis=0)[None, :], 0.)
-        b_dG -= tl.where(m_j, tl.sum(b_t, axis=0)[None, :], 0.)
-    return b_dq, b_dk, b_dG, b_p
-
-
-@triton.jit
-def _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0, n_rows, o_t, i_h,
-                          i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                          BT: tl.constexpr, DOT: tl.constexpr):
-    """Backward of the intra-chunk products anchored per BS-row block, as
-    the forward's chunk_fwd._blocked_product: row block I against the columns
-    j < n_I through G at row n_I (row factors e^(G_i - G_{n_I}) and column
-    factors e^(G_{n_I} - G_j), both <= 1), four masked products per block,
-    dL and dAqk loaded each just before its two (one [BT, BT] tile live);
-    the diagonal blocks in BS steps, step s pairing row n_J + s of every
-    block with the block's other rows through one exponent tile (G_i - G_j
-    for the rows below it, G_j - G_i above: <= 0 both) and rows of k, q, G,
-    beta, dL and dAqk loaded at n_J + s. Exponents are differences of G:
-    common.product_path admits only chunks shallow enough. The diagonal
+def _products_bwd(b_q, b_k, b_p, b_b, b_dl, b_daqs, o_t, BT: tl.constexpr, DOT: tl.constexpr):
+    """Backward of the forward's dyadic intra-chunk products
+    (chunk_fwd._decay_product; docs/kda.md section 3) over one K slice: at
+    level h, the pairs (i, j) with i in the second and j in the first h rows
+    of one aligned 2h-row block, through the factors E[i] E[j] = e^(G_i - G_j)
+    (common.level_factor, both <= 1 for any gates), four masked products per
+    level. b_p: the chunk's float64 cumsum of the log-decays; b_dl = dL and
+    b_daqs = dAqk without its diagonal ([BT, BT]); b_b = beta. The diagonal
     (e^0, dAqk's only: dL is strictly lower) is the caller's.
 
     Returns (Qd, Dk, P) for this K slice: Qd_i = sum_j dAqk_ij k_j e_ij,
     Dk_j = sum_i (beta_i dL_ij k_i + dAqk_ij q_i) e_ij and
     P_i = sum_j dL_ij k_j e_ij, e_ij = e^(G_i - G_j), i > j."""
-    p_hk = i_hv * K
-    blk = (o_t // BS) * BS
-    m_rows = o_t < n_rows
-    p_row = (t0 + o_t).to(tl.int64) * HV + i_hv
-    p_tt = p_row[:, None] * BT + o_t[None, :]
-    b_b = tl.load(beta + p_row, mask=m_rows, other=0.).to(tl.float32)
-    m_any = (o_t * 0 < n_rows)[:, None] & m_k[None, :]
-    r_blk = (t0 + tl.maximum(tl.minimum(blk, n_rows - 1), 0)).to(tl.int64)
-    b_er = tl.exp(b_G - tl.load(gc + r_blk[:, None] * (HV * K) + p_hk + o_k[None, :],
-                                mask=m_any, other=0.))
-    b_p = tl.zeros_like(b_k)
+    b_dlb = b_dl * b_b[:, None]
     b_qd = tl.zeros_like(b_k)
     b_dk = tl.zeros_like(b_k)
-    for I in range(1, BT // BS):
-        r_I = (t0 + tl.maximum(tl.minimum(I * BS, n_rows - 1), 0)).to(tl.int64)
-        b_AI = tl.load(gc + r_I * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows),
-                       other=0.)
-        m_c = o_t[:, None] < I * BS
-        b_ec = tl.where(m_c, tl.exp(tl.where(m_c, b_AI[None, :] - b_G, 0.)), 0.)
-        m_r = (blk == I * BS)[:, None]
-        b_kc = b_k * b_ec
-        b_m = tl.load(dl + p_tt, mask=m_rows[:, None], other=0.)
-        b_p += tl.where(m_r, dot(b_m, b_kc, DOT), 0.)
-        b_dkc = dot(tl.trans(b_m), tl.where(m_r, b_k * b_er * b_b[:, None], 0.), DOT)
-        b_m = tl.load(daqk + p_tt, mask=m_rows[:, None], other=0.)
-        b_qd += tl.where(m_r, dot(b_m, b_kc, DOT), 0.)
-        b_dkc += dot(tl.trans(b_m), tl.where(m_r, b_q * b_er, 0.), DOT)
-        b_dk += b_dkc * b_ec
-    b_p = b_p * b_er
-    b_qd = b_qd * b_er
-    for s in range(0, BS):
-        jr = blk + s
-        m_j = jr < n_rows
-        r_j = (t0 + jr).to(tl.int64)
-        b_ks = tile(k, t0 + jr, m_j, i_h, o_k, m_k, H, K)
-        b_qs = tile(q, t0 + jr, m_j, i_h, o_k, m_k, H, K)
-        # Rows past the sequence repeat the last row's G (as g_tile): no
-        # exponent above 0.
-        r_jc = (t0 + tl.maximum(tl.minimum(jr, n_rows - 1), 0)).to(tl.int64)
-        b_Gs = tl.load(gc + r_jc[:, None] * (HV * K) + p_hk + o_k[None, :], mask=m_any,
-                       other=0.)
-        b_bs = tl.load(beta + r_j * HV + i_hv, mask=m_j, other=0.).to(tl.float32)
-        m_lo = (o_t - blk > s)[:, None]   # rows i > n_J + s: pairs (i, n_J + s)
-        m_hi = (o_t - blk < s)[:, None]   # rows j < n_J + s: pairs (n_J + s, j)
-        b_e = tl.exp(tl.where(m_lo, b_G - b_Gs, b_Gs - b_G))
-        # dL and dAqk at (i, n_J + s) and at (n_J + s, j), loaded.
-        m_v = m_rows & m_j
-        b_lc = tl.load(dl + p_row * BT + jr, mask=m_v, other=0.)
-        b_qc = tl.load(daqk + p_row * BT + jr, mask=m_v, other=0.)
-        b_lr = tl.load(dl + (r_j * HV + i_hv) * BT + o_t, mask=m_v, other=0.)
-        b_qr = tl.load(daqk + (r_j * HV + i_hv) * BT + o_t, mask=m_v, other=0.)
-        b_kse = tl.where(m_lo, b_ks * b_e, 0.)
-        b_p += b_lc[:, None] * b_kse
-        b_qd += b_qc[:, None] * b_kse
-        b_dk += tl.where(m_hi, ((b_lr * b_bs)[:, None] * b_ks + b_qr[:, None] * b_qs) * b_e,
-                         0.)
-    return b_qd, b_dk, b_p
+    b_pk = tl.zeros_like(b_k)
+    h = BT // 2
+    while h > 0:
+        b_second, b_e = level_factor(b_p, o_t, h)
+        m_l = ((o_t[:, None] // h) == (o_t[None, :] // h) + 1) & b_second
+        b_kc = tl.where(b_second, 0., b_k * b_e)
+        b_er = tl.where(b_second, b_e, 0.)
+        b_pk += b_er * dot(tl.where(m_l, b_dl, 0.), b_kc, DOT)
+        b_qd += b_er * dot(tl.where(m_l, b_daqs, 0.), b_kc, DOT)
+        b_dkc = dot(tl.trans(tl.where(m_l, b_dlb, 0.)), tl.where(b_second, b_k * b_e, 0.), DOT)
+        b_dkc += dot(tl.trans(tl.where(m_l, b_daqs, 0.)), tl.where(b_second, b_q * b_e, 0.), DOT)
+        b_dk += tl.where(b_second, 0., b_e) * b_dkc
+        h = h // 2
+    return b_qd, b_dk, b_pk
 
 
 @triton.jit
@@ -539,7 +457,7 @@ def kda_bwd_wy_kernel(
         b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.)
         b_m += _dot_16(b_dw, tl.trans(b_w), DOT_X)
         b_dB = _xt_dot(x, dw, t0, n_rows, r64, m_t, i_hv, o_k, m_k, HV, K, BT, BK, DOT_X)
-        b_G, _, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
+        b_G, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
         b_eg = tl.exp(b_G)
         b_keg = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_eg
         b_db += tl.sum(b_dB * b_keg, axis=1)
@@ -555,7 +473,7 @@ def kda_bwd_wy_kernel(
 
 @triton.jit
 def kda_bwd_intra_kernel(
-    q, k, gc, g, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct, n_bounds,
+    q, k, g, beta, dl, daqk, dq_p, dk_w, dg_w, meta, off_cu, off_ct, n_bounds,
     n_tokens,
     dq, dk, dg, dbeta_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
@@ -568,15 +486,10 @@ def kda_bwd_intra_kernel(
     sum over K of k_i * sum_j dL_ij k_j e^(G_i - G_j): dbeta_k [T, HV, NK],
     one column per program along K.
 
-    dAqk's diagonal (factor e^(G_i - G_i) = 1) goes to dq and dk only, on
-    every path: its exponent does not depend on G, and adding its O(1) term
-    to dG_i from the row side and subtracting it from the column side would
-    leave float32 residue where the true dG is below 1e-16 (fully decayed
-    channels).
-
-    On the anchored path dL and dAqk are loaded each just before the two
-    products that take it, so that one [BT, BT] tile is live at a time: a
-    split-precision product (bf16x3) holds each operand twice."""
+    dAqk's diagonal (factor e^(G_i - G_i) = 1) goes to dq and dk only: its
+    exponent does not depend on G, and adding its O(1) term to dG_i from the
+    row side and subtracting it from the column side would leave float32
+    residue where the true dG is below 1e-16 (fully decayed channels)."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
@@ -584,64 +497,25 @@ def kda_bwd_intra_kernel(
     p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
     m_tt = m_t[:, None]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
-    r_anchor, r_last = anchor_rows(t0, n_rows, BT)
-    path = product_path(gc, r_anchor, r_last, i_hv * K, n_rows, HV, K, BK)
-
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    b_G, b_A, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
+    # The forward's exponents: the float64 cumsum of the (floored) log-decays.
+    b_p = tl.cumsum(tile(g, rows, m_t, i_hv, o_k, m_k, HV, K).to(tl.float64), axis=0)
     b_dd = tl.load(daqk + (r64 * HV + i_hv) * BT + o_t, mask=m_t, other=0.)
-    if path == 0:
-        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
-        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
-        b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
-        b_er = tl.exp(b_G - b_A[None, :])
-        b_ec = tl.exp(b_A[None, :] - b_G)
-        b_kr = b_k * b_er
-        b_kc = b_k * b_ec
-        b_qr = b_q * b_er
-        # Each product consumed at once (short live ranges).
-        b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
-        b_p = dot(b_dl, b_kc, DOT_A)
-        b_db = tl.sum(b_p * b_kr, axis=1)
-        b_p = b_p * b_b[:, None]
-        b_dk += b_p * b_er
-        b_dG += b_p * b_kr
-        b_dkc = dot(tl.trans(b_dl * b_b[:, None]), b_kr, DOT_A)
-        b_daqs = tl.load(daqk + p_tt, mask=m_tt & (o_t[:, None] != o_t[None, :]), other=0.)
-        b_dqr = dot(b_daqs, b_kc, DOT_A)
-        b_dq += b_dqr * b_er
-        b_dG += b_dqr * b_qr
-        b_dkc += dot(tl.trans(b_daqs), b_qr, DOT_A)
-        b_dk += b_dkc * b_ec
-        b_dG -= b_dkc * b_kc
-    elif path == 1:
-        # The partials are loaded after the products (fewer tiles live).
-        e_dq, e_dk, e_p = _products_blocked_bwd(b_q, b_k, b_G, q, k, gc, beta, dl, daqk, t0,
-                                                n_rows, o_t, i_h, i_hv, o_k, m_k, H, HV, K, BT,
-                                                DOT_A)
-        b_db = tl.sum(e_p * b_k, axis=1)
-        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.) + e_dk + e_p * b_b[:, None]
-        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.) + e_dq
-        b_dG = (tl.load(dg_w + p_tk, mask=m_tk, other=0.) + e_p * b_b[:, None] * b_k
-                + e_dq * b_q - e_dk * b_k)
-    else:
-        b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.)
-        b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.)
-        b_dG = tl.load(dg_w + p_tk, mask=m_tk, other=0.)
-        b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
-        b_daqs = tl.load(daqk + p_tt, mask=m_tt, other=0.)
-        b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
-        e_dq, e_dk, e_dG, e_p = _products_exact_bwd(b_q, b_k, b_g, b_dl, b_dl * b_b[:, None],
-                                                    b_daqs, o_t, n_rows, BT, BK)
-        b_db = tl.sum(e_p * b_k, axis=1)
-        b_dk += e_dk + e_p * b_b[:, None]
-        b_dq += e_dq
-        b_dG += e_dG
+    e_dq, e_dk, e_p = _products_bwd(
+        b_q, b_k, b_p, b_b, tl.load(dl + p_tt, mask=m_tt, other=0.),
+        tl.load(daqk + p_tt, mask=m_tt & (o_t[:, None] != o_t[None, :]), other=0.), o_t, BT,
+        DOT_A)
+    # The partials are loaded after the products (fewer tiles live).
+    b_db = tl.sum(e_p * b_k, axis=1)
+    b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.) + e_dk + e_p * b_b[:, None]
+    b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.) + e_dq
+    b_dG = (tl.load(dg_w + p_tk, mask=m_tk, other=0.) + e_p * b_b[:, None] * b_k
+            + e_dq * b_q - e_dk * b_k)
     b_dq += b_dd[:, None] * b_k
     b_dk += b_dd[:, None] * b_q
     b_dg = tl.cumsum(tl.where(m_tk, b_dG, 0.), axis=0, reverse=True)

@@ -31,7 +31,8 @@ gives finite factors accurate relative to themselves.
 import triton
 import triton.language as tl
 
-from .common import chunk_rows, decay_row, dot, next_decay_row, store_zero_rows, tile
+from .common import (chunk_rows, decay_row, dot, gather_rows, level_factor, next_decay_row,
+                     store_zero_rows, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
@@ -83,42 +84,24 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _rows_of(b_p, rows):
-    """b_p [BT, BK] at the row rows[i] for each row i."""
-    return tl.gather(b_p, tl.broadcast_to(rows[:, None], b_p.shape), 0)
-
-
-@triton.jit
 def _decay_product(b_out, b_a, b_b, b_p, o_t, BT: tl.constexpr, INCLUSIVE: tl.constexpr,
                    DOT: tl.constexpr):
     """b_out [BT, BT] plus a_i . b_j e^(G_i - G_j) for j < i (j <= i with
     INCLUSIVE), for one K slice (b_a, b_b [BT, BK]; b_p [BT, BK] float64 the
-    cumsum of the log-decays, <= 0, exact for our purposes: see below).
+    chunk's cumsum of the log-decays).
 
-    Dyadic: at level h (BT / 2, ..., 2, 1) the pairs with i in the second
-    and j in the first h rows of one aligned 2h-row block factor exactly
-    through that block's middle: e^(G_i - G_j) = e^(R[i]) e^(C[j]), R[i] the
-    log-decays summed from i's h-row segment's start to i, C[j] those after
-    j to its segment's end. A row factor and a column factor that are both
-    <= 1, whatever the gates, so nothing overflows and a factor underflows
-    only where the product is below float32's range too. One exponential
-    tile per level serves both sides (a row is a row in the second half of
-    its block, a column in the first), and one masked matrix product per
-    level gives its pairs; every pair i > j belongs to exactly one level.
-    The cost does not depend on the gate values, and the levels are a loop,
-    not unrolled, so that one level's tiles are live at a time.
-
-    R and C are differences of the float64 cumsum: float32 log-decays
-    floored at GATE_FLOOR sum exactly enough there (|G| <= 110 BT, so the
-    difference's error is below 1e-12), and each exponent is then rounded
-    once to float32, accurate relative to itself however deep the chunk."""
+    Dyadic (docs/kda.md section 3): level h (BT / 2, ..., 2, 1) takes the
+    pairs with i in the second and j in the first h rows of one aligned
+    2h-row block, through factors e^(G_i - G_j) = E[i] E[j] that are both <= 1
+    whatever the gates (common.level_factor): nothing overflows, and a factor
+    underflows only where the product is below float32's range too. One
+    exponential tile per level serves both sides, and one masked matrix
+    product per level gives its pairs; every pair i > j belongs to exactly
+    one level, and the cost does not depend on the gate values. The levels
+    are a loop, not unrolled: one level's tiles are live at a time."""
     h = BT // 2
     while h > 0:
-        b_second = ((o_t // h) % 2 == 1)[:, None]
-        s = (o_t // h) * h
-        b_before = tl.where((s > 0)[:, None], _rows_of(b_p, tl.maximum(s - 1, 0)), 0.)
-        b_exp = tl.where(b_second, b_p - b_before, _rows_of(b_p, s + h - 1) - b_p)
-        b_e = tl.exp(b_exp.to(tl.float32))
+        b_second, b_e = level_factor(b_p, o_t, h)
         b_x = tl.where(b_second, b_a * b_e, 0.)
         b_y = tl.where(b_second, 0., b_b * b_e)
         m_blk = (o_t[:, None] // (2 * h)) == (o_t[None, :] // (2 * h))
@@ -249,7 +232,7 @@ def kda_fwd_prepare_kernel(
         # G in float64 (rows past the sequence repeat the last: g = 0 there)
         b_p = tl.cumsum(b_g.to(tl.float64), axis=0)
         b_G = b_p.to(tl.float32)
-        b_sfx = (_rows_of(b_p, o_t * 0 + BT - 1) - b_p).to(tl.float32)  # G_last - G
+        b_sfx = (gather_rows(b_p, o_t * 0 + BT - 1) - b_p).to(tl.float32)  # G_last - G
         if STORE_X:
             tl.store(gc + p_tk, b_G, mask=m_tk)
         tl.store(p_gl + o_k, tl.exp(tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), axis=0)),

@@ -1,9 +1,8 @@
 """Pieces shared by the chunked kernels (chunk_fwd, chunk_bwd) and the decode
 kernel: the product-precision helper, tile loads, a chunk's rows, the
-chunk-local decay G read back from its scratch, and the test that decides
-which path a chunk's intra-chunk products take: anchored, blocked or
-pairwise (docs/kda.md sections 3 and 6). The log-decay numerics (in-kernel gate, floor,
-non-finite checks) are kernels/gate.py.
+chunk-local decay G read back from its buffer, and the decay factors of the
+dyadic intra-chunk products (docs/kda.md section 3). The log-decay numerics
+(in-kernel gate, floor, non-finite checks) are kernels/gate.py.
 
 Names follow the kernels': b_ register tiles, o_ offsets, m_ masks, p_
 pointers or element offsets; BT the chunk, BK / BV the K / V blocks.
@@ -13,21 +12,6 @@ import triton
 import triton.language as tl
 
 from .varlen import chunk_span
-
-# A chunk takes the anchored (matrix-product) path while every channel's
-# decay factor relative to the chunk's anchor row stays within e^(+-60):
-# products of such factors with O(1) keys stay far inside float32.
-ANCHOR_SPAN = tl.constexpr(60.0)
-
-# A chunk past ANCHOR_SPAN takes the blocked path (products anchored per
-# BS-row block, chunk_fwd._blocked_product) while its depth max(-G_last) is
-# within BLOCKED_DEPTH: each G carries a rounding error of about |G| * 6e-8,
-# so a product's factor e^(G_i - G_j) is off by up to about depth * 1.2e-7
-# relative (2.5e-4 here, half of fp16's unit roundoff), and the outputs'
-# relative RMS error comes to about depth * 1e-8 (2e-5, against float32's
-# 1e-4 tolerance). Deeper chunks take the exact pairwise path.
-BS = tl.constexpr(16)
-BLOCKED_DEPTH = tl.constexpr(2048.0)
 
 
 @triton.jit
@@ -60,15 +44,27 @@ def tile(x, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def row_of(b_x, o_t, j):
-    """Row j of a [BT, N] tile as an [N] vector."""
-    return tl.sum(tl.where(o_t[:, None] == j, b_x, 0.), axis=0)
+def gather_rows(b_x, rows):
+    """b_x [BT, N] at row rows[i] for each row i (rows [BT], within [0, BT))."""
+    return tl.gather(b_x, tl.broadcast_to(rows[:, None], b_x.shape), 0)
 
 
 @triton.jit
-def col_of(b_x, o_t, j):
-    """Column j of a [N, BT] tile as an [N] vector."""
-    return tl.sum(tl.where(o_t[None, :] == j, b_x, 0.), axis=1)
+def level_factor(b_p, o_t, h):
+    """The decay factors of level h of the dyadic intra-chunk products
+    (docs/kda.md section 3): (second [BT, 1] int1, E [BT, BK] fp32). Level h
+    pairs row i of the second h rows of an aligned 2h-row block with row j of
+    its first h rows, e^(G_i - G_j) = E[i] E[j]: E[i] = e^(g summed from the
+    start of i's h-row segment to i) on the second halves (second[i]), E[j] =
+    e^(g summed after j to the end of its segment) on the first halves. Both
+    are <= 1 for any gates. b_p [BT, BK] float64 is the chunk's cumsum of the
+    log-decays (rows past the sequence repeat the last): the exponents are
+    differences there, exact before their one rounding to float32."""
+    b_second = ((o_t // h) % 2 == 1)[:, None]
+    s = (o_t // h) * h
+    b_before = tl.where((s > 0)[:, None], gather_rows(b_p, tl.maximum(s - 1, 0)), 0.)
+    b_exp = tl.where(b_second, b_p - b_before, gather_rows(b_p, s + h - 1) - b_p)
+    return b_second, tl.exp(b_exp.to(tl.float32))
 
 
 @triton.jit
@@ -105,53 +101,19 @@ def next_decay_row(gl, c0, i_t, n_chunks, i_hv, o_k, m_k, HV: tl.constexpr, K: t
 
 
 @triton.jit
-def anchor_rows(t0, n_rows, BT: tl.constexpr):
-    """(anchor row, last row) of a chunk, int64: the anchor is the middle row,
-    or the last one of a shorter chunk; rows past the sequence repeat the
-    last (they add no decay)."""
-    r_anchor = (t0 + tl.maximum(tl.minimum(BT // 2, n_rows) - 1, 0)).to(tl.int64)
-    return r_anchor, (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
-
-
-@triton.jit
-def g_rows(gc, r_anchor, r_last, p_hk, o_k, m_k, n_rows, HV: tl.constexpr, K: tl.constexpr):
-    """G's anchor row and last row over the K slice o_k, from the scratch gc
-    [T, HV, K] fp32 (p_hk = head * K; zeros in a padded chunk, which has no
-    rows)."""
-    m_kr = m_k & (o_k * 0 < n_rows)
-    b_A = tl.load(gc + r_anchor * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
-    b_last = tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_kr, other=0.)
-    return b_A, b_last
+def g_last_row(gc, t0, n_rows, p_hk, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
+    """G's last row over the K slice o_k, from gc [T, HV, K] fp32 (p_hk =
+    head * K; zeros in a padded chunk, which has no rows)."""
+    r_last = (t0 + tl.maximum(n_rows - 1, 0)).to(tl.int64)
+    return tl.load(gc + r_last * (HV * K) + p_hk + o_k, mask=m_k & (o_k * 0 < n_rows), other=0.)
 
 
 @triton.jit
 def g_tile(gc, p_tk, m_t, m_k, b_last):
-    """G [BT, BK] from the scratch gc; rows past the sequence repeat the last
-    row (they add no decay, and keep every anchored factor bounded)."""
+    """G [BT, BK] from gc; rows past the sequence repeat the last row (they
+    add no decay)."""
     b_G = tl.load(gc + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.)
     return tl.where(m_t[:, None], b_G, b_last[None, :])
-
-
-@triton.jit
-def product_path(gc, r_anchor, r_last, p_hk, n_rows, HV: tl.constexpr, K: tl.constexpr,
-                 BK: tl.constexpr):
-    """Which path the chunk's intra-chunk products take: 0 anchored, when
-    for every channel the row factor e^(G_i - A) and the column factor
-    e^(A - G_j) stay within e^(+-ANCHOR_SPAN), i.e. max(-A, A - G_last) <=
-    ANCHOR_SPAN (G is a cumsum of log-decays <= 0: G_0 >= G_i >= G_last);
-    1 blocked, when the chunk's depth max(-G_last) is within BLOCKED_DEPTH;
-    2 exact pairwise. One decision for the whole chunk (two reductions
-    across the program, once per chunk); the K slices are unrolled so that
-    the row loads go out together."""
-    b_span = tl.zeros([BK], dtype=tl.float32)
-    b_depth = tl.zeros([BK], dtype=tl.float32)
-    for ks in tl.static_range(0, K, BK):
-        o_k = ks + tl.arange(0, BK)
-        b_A, b_last = g_rows(gc, r_anchor, r_last, p_hk, o_k, o_k < K, n_rows, HV, K)
-        b_span = tl.maximum(b_span, tl.maximum(-b_A, b_A - b_last))
-        b_depth = tl.maximum(b_depth, -b_last)
-    path = tl.where(tl.max(b_depth, axis=0) <= BLOCKED_DEPTH, 1, 2)
-    return tl.where(tl.max(b_span, axis=0) <= ANCHOR_SPAN, 0, path)
 
 
 @triton.jit

@@ -104,7 +104,7 @@ SIGNATURES = {
     ),
     "kda_bwd_intra_kernel": Signature(
         "chunk_bwd",
-        inputs=(("q", IN), ("k", IN), ("gc", F32), ("g", IN), ("beta", IN), ("dl", F32),
+        inputs=(("q", IN), ("k", IN), ("g", IN), ("beta", IN), ("dl", F32),
                 ("daqk", F32), ("dq_p", F32), ("dk_w", F32), ("dg_w", F32)) + _META_CHUNKS,
         outputs=(("dq", F32), ("dk", F32), ("dg", F32), ("dbeta_k", F32)),
     ),

@@ -243,8 +243,8 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
     n_k = -(-kd // L["kda_bwd_intra_kernel"].constexprs["BK"])
     intra = run(
         "kda_bwd_intra_kernel", (n_chunks, hv, n_k),
-        dict(q=q, k=k, gc=r["gc"], g=g, beta=beta, dl=wy["dl"], daqk=wy["daqk"],
-             dq_p=inter["dq"], dk_w=wy["dk_w"], dg_w=wy["dg_w"], **by_chunk),
+        dict(q=q, k=k, g=g, beta=beta, dl=wy["dl"], daqk=wy["daqk"], dq_p=inter["dq"],
+             dk_w=wy["dk_w"], dg_w=wy["dg_w"], **by_chunk),
         dict(dq=tk, dk=tk, dg=tk, dbeta_k=sds((tokens, hv, n_k), f32)))
     dq, dk, dg, dv, dh0 = intra["dq"], intra["dk"], intra["dg"], wy["dv"], dstate["dh0"]
     dbeta = wy["dbeta"] + jnp.sum(intra["dbeta_k"], axis=-1)
