@@ -28,7 +28,7 @@ from kda_jax.batch import VarlenBatch
 from kda_jax.bounds import LaneSchedule, SeqBounds, lane_schedule
 from kda_jax.options import KdaOptions
 
-__all__ = ["chunk_kda_xla", "fused_recurrent_kda_xla"]
+__all__ = ["chunk_kda_xla", "fused_recurrent_kda_xla", "unit_lower_inverse"]
 
 # Sub-block rows for the intra-chunk products: exponents factor through the
 # row before each 16-row block, so that every exp() sees a value <= 0.
@@ -258,6 +258,34 @@ def _decay_products(x, y, g, *, inclusive):
     return off + diag.reshape(lead + (c, c))
 
 
+def unit_lower_inverse(n):
+    """``(I + N)^-1`` of a strictly lower triangular ``N [..., C, C]`` float32,
+    batched over the leading axes; returns ``[..., C, C]`` float32.
+
+    Matrix products only (the Triton kernels, too, merge their blocked
+    inverse with products): N is nilpotent (N^C = 0), so
+    ``(I + N)^-1 = prod_{i : 2^i < C} (I + (-N)^(2^i))``, for C >= 2 in
+    2 (ceil(log2 C) - 1) float32 matmuls at HIGHEST precision. Not LAPACK's
+    batched triangular solve: that custom call deadlocks XLA's CPU runtime in
+    multi-device programs (shard_map over forced host devices; docs/kda.md
+    section 7), and matmuls suit every backend. Entries of ``n`` on and above
+    the diagonal must be 0 (they are not masked); any C >= 1 works, not only
+    powers of two.
+    """
+    c = n.shape[-1]
+    if n.ndim < 2 or n.shape[-2] != c:
+        raise ValueError(f"unit_lower_inverse: n must be [..., C, C], got shape {n.shape}; "
+                         "pass a batch of square strictly lower triangular matrices")
+    power = -n  # (-N)^(2^i)
+    inv = jnp.eye(c, dtype=n.dtype) + power  # sum_{j < span} (-N)^j
+    span = 2
+    while span < c:
+        power = jnp.matmul(power, power, precision=_HI)
+        inv = inv + jnp.matmul(inv, power, precision=_HI)
+        span *= 2
+    return inv
+
+
 def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                   opts: KdaOptions, bounds: SeqBounds | VarlenBatch):
     """Chunked KDA in jax.numpy. Arguments are already validated by the API.
@@ -289,10 +317,7 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     G = jnp.cumsum(g, axis=-2)
     Akk = _decay_products(k, k, g, inclusive=False) * beta[..., :, None]
     Aqk = _decay_products(q, k, g, inclusive=True) * scale
-    eye = jnp.eye(c, dtype=jnp.float32)
-    A = jax.scipy.linalg.solve_triangular(
-        eye + Akk, jnp.broadcast_to(eye, Akk.shape), lower=True, unit_diagonal=True
-    )
+    A = unit_lower_inverse(Akk)
     w = jnp.matmul(A, beta[..., None] * k * jnp.exp(G), precision=_HI)
     u = jnp.matmul(A, beta[..., None] * v, precision=_HI)
     k_tail = k * jnp.exp(_suffix_sums(g))  # e^(G_last - G) from partial sums

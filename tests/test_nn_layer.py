@@ -343,3 +343,111 @@ def test_dense_cache_keeps_its_dtypes_in_a_decode_loop():
     out = jax.jit(lambda c: jax.lax.fori_loop(0, 2, body, c))(cache)
     assert [a.dtype for a in out[:4]] == [jnp.float32] * 4
     assert layer.init_cache(1).conv_q.dtype == jnp.bfloat16
+
+
+# --------------------------------------------------------------------------- #
+# Empty inputs: T = 0 or B = 0 return empty results, as the kernels do.
+# --------------------------------------------------------------------------- #
+
+
+def _assert_same_cache(got: KDACache, want: KDACache, what):
+    for name in ("conv_q", "conv_k", "conv_v", "recurrent"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {name}: {a.shape} {a.dtype}"
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_no_tokens_returns_empty_and_keeps_the_states(mode):
+    # T = 0: y [B, 0, hidden]; every sequence is empty, so its conv and KDA
+    # states come back as they went in (the transcription's, too).
+    layer = make_layer(mode=mode)
+    x = jnp.zeros((2, 0, HIDDEN), jnp.float32)
+    y = call(layer, x)
+    assert y.shape == (2, 0, HIDDEN) and y.dtype == jnp.float32
+    cache = random_cache(2)
+    p = {k: jnp.asarray(v) for k, v in to_fla_state_dict(layer).items()}
+    _, want = transcribe(p, x[0], [0, 0], cache)
+    for cu, xs in ((None, x), ([0, 0, 0], x[:1])):  # dense [2, 0] and packed [1, 0]
+        y, new = call(layer, xs, cu, cache)
+        assert y.shape == (xs.shape[0], 0, HIDDEN) and y.dtype == jnp.float32
+        assert new.state_indices is None
+        _assert_same_cache(new, want, f"T = 0, cu_seqlens={cu}")
+    # A pool: the named rows keep their states (has_initial_state all True).
+    pool = random_cache(3, seed=5)
+    y, new = call(layer, x, cache=pool.at(jnp.asarray([2, 0], jnp.int32)))
+    assert y.shape == (2, 0, HIDDEN)
+    _assert_same_cache(new, pool, "T = 0, pool")
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_no_sequences_returns_empty_results(mode):
+    # B = 0: y [0, T, hidden] in the dtype a non-empty call gives; an empty
+    # dense cache comes back empty, a pool unchanged (prefill and decode).
+    layer = make_layer(mode=mode)
+    for t in (0, 1, 5):
+        y = call(layer, jnp.zeros((0, t, HIDDEN), jnp.float32))
+        assert y.shape == (0, t, HIDDEN) and y.dtype == jnp.float32
+    empty = layer.init_cache(0)
+    assert empty.recurrent.shape == (0, HV, K, V) and empty.conv_v.shape == (0, W - 1, HV * V)
+    pool = random_cache(3, seed=8)
+    for t in (1, 5):  # a decode step and a prefill
+        x = jnp.zeros((0, t, HIDDEN), jnp.float32)
+        y, new = call(layer, x, cache=empty)
+        assert y.shape == (0, t, HIDDEN) and y.dtype == jnp.float32
+        _assert_same_cache(new, empty, f"B = 0, T = {t}, dense")
+        none = jnp.zeros((0,), jnp.int32)
+        y, new = call(layer, x, cache=pool.at(none, jnp.zeros((0,), bool)))
+        assert y.shape == (0, t, HIDDEN)
+        assert new.state_indices.shape == (0,) and new.has_initial_state.shape == (0,)
+        _assert_same_cache(new, pool, f"B = 0, T = {t}, pool")
+
+
+def test_empty_inputs_keep_the_layer_dtype():
+    layer = make_layer(dtype=jnp.bfloat16)
+    want = call(layer, jnp.zeros((1, 1, HIDDEN), jnp.bfloat16)).dtype
+    for shape in ((2, 0, HIDDEN), (0, 3, HIDDEN)):
+        y = call(layer, jnp.zeros(shape, jnp.bfloat16))
+        assert y.shape == shape and y.dtype == want
+    y, new = call(layer, jnp.zeros((0, 1, HIDDEN), jnp.bfloat16), cache=layer.init_cache(0))
+    assert y.dtype == want and new.conv_q.dtype == layer.init_cache(1).conv_q.dtype
+
+
+def test_init_cache_rejects_a_negative_count():
+    with pytest.raises(ValueError, match="num_seqs=-1 must be a non-negative int"):
+        make_layer().init_cache(-1)
+
+
+def test_decode_after_prefill_poisons_what_one_prefill_does(monkeypatch):
+    """Non-finite inputs (docs/kda.md section 6) through the layer on the XLA
+    path: a NaN in x during the prefill (sequence 0, token 3) and a +inf during
+    the decode (sequence 1, token 6). A 5-token prefill (the chunked form) then
+    one-token decodes (the recurrent form) put NaN on the same outputs and
+    states as one 8-token prefill: those of the poisoned sequence from its bad
+    token on; sequence 2 and the earlier tokens are those of the clean input."""
+    monkeypatch.setattr(layer_module, "RECURRENT_MAX_TOKENS", 2)
+    layer = make_layer("xla")
+    clean = _inputs(24, seed=13).reshape(3, 8, HIDDEN)
+    x = clean.at[0, 3, 5].set(jnp.nan).at[1, 6, 2].set(jnp.inf)
+    full, whole = call(layer, x, cache=layer.init_cache(3))
+    full_clean, whole_clean = call(layer, clean, cache=layer.init_cache(3))
+    y, cache = call(layer, x[:, :5], cache=layer.init_cache(3))
+    ys = [y]
+    step = jax.jit(lambda x, c: layer(x, cache=c))
+    for t in range(5, 8):
+        y, cache = step(x[:, t:t + 1], cache)
+        ys.append(y)
+    steps = np.asarray(jnp.concatenate(ys, axis=1))
+    full, full_clean = np.asarray(full), np.asarray(full_clean)
+    expected = np.zeros((3, 8), bool)
+    expected[0, 3:] = expected[1, 6:] = True
+    for got, what in ((full, "one prefill"), (steps, "prefill + decode")):
+        np.testing.assert_array_equal(np.isnan(got).all(-1), expected, err_msg=what)
+        np.testing.assert_array_equal(np.isfinite(got).all(-1), ~expected, err_msg=what)
+        np.testing.assert_allclose(got[~expected], full_clean[~expected], rtol=1e-5,
+                                   atol=1e-6, err_msg=what)
+    for got in (whole, cache):
+        h = np.asarray(got.recurrent)
+        assert np.isnan(h[:2]).all()
+        np.testing.assert_allclose(h[2], np.asarray(whole_clean.recurrent)[2], rtol=1e-5,
+                                   atol=1e-6)

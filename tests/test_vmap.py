@@ -237,3 +237,57 @@ def test_errors_for_what_cannot_be_mapped():
     with pytest.raises(NotBatchableError, match="with a state_cache is not supported.*"
                                                 "host bounds.*no state_cache"):
         jax.vmap(serve)(*qkvgb)
+
+
+# --------------------------------------------------------------------------- #
+# Bounds under vmap: host bounds cannot be mapped (either path); a VarlenBatch
+# can on the XLA path (each element its own bounds, one bucket), and raises on
+# the Triton path (no batching rule for the serving forms).
+# --------------------------------------------------------------------------- #
+
+BUCKET_LENGTHS = ([3, 30, 7], [40, 0, 1, 2])  # per mapped element, one bucket
+
+
+def _mapped_batch():
+    """(stacked q..beta [M, 1, 64, ...], the VarlenBatches, their stack)."""
+    bucket = kda_jax.Bucket(max_seqs=4, max_tokens=64)  # chunk_kda's chunk: 64
+    batches = [kda_jax.VarlenBatch.from_lengths(n, bucket) for n in BUCKET_LENGTHS]
+    xs = [make_inputs(20 + m, B=1, T=64, H=1, HV=2, K=16, V=16, with_state=False)
+          for m in range(M)]
+    args = [np.stack([getattr(x, n) for x in xs]) for n in NAMES[:5]]
+    return args, batches, jax.tree.map(lambda *a: np.stack(a), *batches)
+
+
+def _with_batch(impl):
+    return lambda q, k, v, g, beta, batch: kda_jax.chunk_kda(
+        q, k, v, g, beta, cu_seqlens=batch, output_final_state=True, implementation=impl)
+
+
+def test_xla_mapped_varlen_batch_equals_reference(check_close):
+    args, _, stacked = _mapped_batch()
+    o, final = jax.jit(jax.vmap(_with_batch("xla")))(*args, stacked)
+    for m, lengths in enumerate(BUCKET_LENGTHS):
+        cu = np.r_[0, np.cumsum(lengths)]
+        ro, rf = reference.naive_recurrent_kda(*(a[m][:, :cu[-1]] for a in args),
+                                               cu_seqlens=cu, output_final_state=True)
+        check_close(o[m][:, :cu[-1]], ro, "float32", f"o[{m}]")
+        check_close(final[m][:len(lengths)], rf, "float32", f"final_state[{m}]")
+        assert np.all(np.asarray(o[m][:, cu[-1]:]) == 0), "rows past the real tokens"
+        assert np.all(np.asarray(final[m][len(lengths):]) == 0), "slots past the real sequences"
+
+
+def test_xla_mapped_host_bounds_raise():
+    x = _inputs("varlen", state=False)
+    cus = np.array([CU, (0, 10, 20, 40)])
+    with pytest.raises(ValueError, match="cu_seqlens is mapped by jax.vmap.*host data"):
+        jax.vmap(lambda *a: kda_jax.chunk_kda(*a[:5], cu_seqlens=a[5], implementation="xla",
+                                              chunk_size=32))(*(x[n] for n in NAMES[:5]), cus)
+
+
+@needs_triton
+def test_triton_varlen_batch_under_vmap_raises():
+    args, batches, stacked = _mapped_batch()
+    for batch, axes in ((stacked, 0), (batches[0], (0,) * 5 + (None,))):
+        with pytest.raises(NotBatchableError, match="with a VarlenBatch as cu_seqlens is not "
+                                                    "supported.*use implementation='xla'"):
+            jax.vmap(_with_batch("triton"), in_axes=axes)(*args, batch)

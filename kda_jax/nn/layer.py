@@ -42,9 +42,11 @@ MODES = ("chunk", "fused_recurrent")
 _FLOAT = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 
 
-def _positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
+def _positive(value, name: str, *, least: int = 1) -> int:
+    """``value`` as an int >= ``least`` (1: positive, 0: non-negative), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name}={value!r} must be a "
+                         f"{'positive' if least == 1 else 'non-negative'} int")
     return int(value)
 
 
@@ -182,8 +184,9 @@ class KimiDeltaAttention(nnx.Module):
         """An empty (zero) dense cache of ``num_seqs`` sequences; the same
         arrays serve as a pool of ``num_seqs`` slots through
         ``cache.at(state_indices)``. ``dtype``: the conv states' (default:
-        the layer's compute dtype, else its parameters')."""
-        num_seqs = _positive(num_seqs, "num_seqs")
+        the layer's compute dtype, else its parameters'). ``num_seqs = 0``
+        gives the empty cache of a B = 0 input."""
+        num_seqs = _positive(num_seqs, "num_seqs", least=0)
         dtype = dtype or self.dtype or self.param_dtype
         conv = lambda c: (jnp.zeros((num_seqs, self.conv_size - 1, c), dtype)
                           if self.use_short_conv else None)
@@ -228,9 +231,13 @@ class KimiDeltaAttention(nnx.Module):
     # ------------------------------------------------------------------ forward
 
     def _bounds(self, x, cu_seqlens):
-        """(bounds for the convolution, bounds for KDA, N, what N is)."""
+        """(bounds for the convolution, bounds for KDA, N, what N is). A dense
+        x of B = 0 has no sequences: its conv bounds are None (bounds hold at
+        least one sequence), and the layer returns empty results."""
         b, t, _ = x.shape
         if cu_seqlens is None:
+            if b == 0:
+                return None, None, 0, "B"
             return SeqBounds.from_lengths(np.full(b, t, np.int64)), None, b, "B"
         if b != 1:
             raise ValueError(f"with cu_seqlens, x must be packed [1, T, hidden], got B={b}; "
@@ -248,9 +255,15 @@ class KimiDeltaAttention(nnx.Module):
         return bounds, bounds, bounds.num_seqs, "the number of sequences in cu_seqlens"
 
     def _convolve(self, conv, x_rows, layout, cache, field, bounds):
-        """(activated rows, new conv state or pool or None) of one projection."""
+        """(activated rows, new conv state or pool or None) of one projection.
+
+        x_rows ``[R, C]``; layout None only without sequences (B = 0, R = 0):
+        the rows' activation in x_rows' dtype, as the convolution gives, and
+        the cache's states unchanged."""
         if conv is None:
             return jax.nn.silu(x_rows), None
+        if layout is None:
+            return jax.nn.silu(x_rows), None if cache is None else getattr(cache, field)
         if cache is None:
             return conv(x_rows, layout)[0], None
         states = getattr(cache, field)
@@ -290,7 +303,8 @@ class KimiDeltaAttention(nnx.Module):
             self._check_cache(cache, n, what)
         b, t, _ = x.shape
         rows = b * t
-        layout = token_layout(conv_bounds, rows) if self.use_short_conv else None
+        layout = (token_layout(conv_bounds, rows)
+                  if self.use_short_conv and conv_bounds is not None else None)
         flat = x.reshape(rows, self.hidden_size)
 
         q, conv_q = self._convolve(self.q_conv1d, self.q_proj(flat), layout, cache, "conv_q",
@@ -299,10 +313,12 @@ class KimiDeltaAttention(nnx.Module):
                                    kda_bounds)
         v, conv_v = self._convolve(self.v_conv1d, self.v_proj(flat), layout, cache, "conv_v",
                                    kda_bounds)
-        heads = lambda a, d: a.reshape(b, t, -1, d)
-        q, k = heads(q, self.head_dim), heads(k, self.head_dim)
-        v = heads(v, self.head_v_dim)
-        g = heads(self.f_proj(flat), self.head_dim)
+        # Head counts spelled out: a reshape with -1 cannot infer them when
+        # B * T = 0.
+        heads = lambda a, n, d: a.reshape(b, t, n, d)
+        q, k = heads(q, self.num_heads, self.head_dim), heads(k, self.num_heads, self.head_dim)
+        v = heads(v, self.num_v_heads, self.head_v_dim)
+        g = heads(self.f_proj(flat), self.num_v_heads, self.head_dim)
         beta = self.b_proj(flat).reshape(b, t, self.num_v_heads)
 
         kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
@@ -316,8 +332,9 @@ class KimiDeltaAttention(nnx.Module):
                           has_initial_state=cache.has_initial_state)
             else:
                 kw.update(initial_state=cache.recurrent, output_final_state=True)
+        longest = t if conv_bounds is None else max_seq_len(conv_bounds)
         recurrent = self.mode == "fused_recurrent" or (
-            cache is not None and max_seq_len(conv_bounds) <= RECURRENT_MAX_TOKENS)
+            cache is not None and longest <= RECURRENT_MAX_TOKENS)
         if recurrent:
             o, state = kda_jax.fused_recurrent_kda(q, k, v, g, beta, **kw)
         else:
@@ -325,7 +342,7 @@ class KimiDeltaAttention(nnx.Module):
                      else self.chunk_size)
             o, state = kda_jax.chunk_kda(q, k, v, g, beta, chunk_size=chunk, **kw)
 
-        gate = heads(self.g_proj(flat), self.head_v_dim)
+        gate = heads(self.g_proj(flat), self.num_v_heads, self.head_v_dim)
         o = self.o_norm(o, gate).reshape(rows, self.value_dim)
         y = self.o_proj(o).reshape(b, t, self.hidden_size)
         if cache is None:
