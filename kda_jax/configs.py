@@ -557,12 +557,13 @@ BACKWARD = {
         gate_fp32_max_k=256),
 }
 BACKWARD_C32 = {
-    # 64-wide recompute slices and 16-wide inter blocks, where the chunk-64
-    # entry spills under ptxas's register caps at chunk 32; dS in one tile;
+    # 64-wide recompute slices at 8 warps (4 spill with the float64 cumsum)
+    # and 16-wide inter blocks, where the chunk-64 entry spills under ptxas's
+    # register caps at chunk 32; dS in one tile;
     # the in-kernel gate's float32 intermediates up to K = 64 (the float32
     # state passes spill 8-64 bytes at K = 100).
     "sm90": BackwardConfig(
-        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
+        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
