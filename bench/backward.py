@@ -1,15 +1,16 @@
-"""chunk_kda forward + backward: kda_jax (Triton, XLA) against fla's chunk_kda
-(PyTorch autograd) in one run, on a GPU.
+"""chunk_kda forward + backward: kda_jax (Triton, XLA) against fla's chunk_kda and cuDNN's
+kimi_delta_attention (PyTorch autograd, one child process) in one run, on a GPU.
 
-    python -m bench.backward [--impls triton,fla,xla] [--varlen 1,1,1100,1300]
-                             [--json bench/results/h200-backward.json]
+    python -m bench.backward [--gates mild,safe,layer] [--impls triton,fla,cudnn,xla]
+                             [--shapes "1,8192,32"] [--varlen 1,1,1100,1300] [--json PATH]
 
-Each step computes o = chunk_kda(q, k, v, g, beta) (bf16 q, k, v; float32 g,
-beta; K = V = --head-dim) and the gradients of sum(o * do) for q, k, v, g and
-beta: jax.grad inside jax.jit for kda_jax, torch.autograd.backward for fla
-(timed in a child process, bench.fla_peer, since torch's Triton and jax-triton
-clash in one process). Times are medians in ms, compilation excluded; the
-table and the JSON records give the ratio to fla.
+Timed: one step computing o = chunk_kda(q, k, v, g, beta) on bench.inputs.make_gated's
+arrays (bf16 q, k, v; float32 g, beta; K = V = --head-dim) and the gradients of sum(o * do)
+for q, k, v, g and beta (and A_log, dt_bias at the layer regime): jax.grad inside jax.jit for
+kda_jax, torch.autograd.backward for the peers (timed in a child process, bench.fla_peer,
+since torch's Triton and jax-triton clash in one process). cuDNN's sm90 backward declines
+in-kernel gates and norms: those rows say "refused". Times are medians in ms, compilation
+excluded; the table and the JSON records give the ratios to the peers.
 """
 
 from __future__ import annotations
@@ -28,21 +29,21 @@ from bench import sweep
 from bench.timing import time_jax
 
 
-def jax_runner(impl, arrays, cu):
+def jax_runner(impl, inputs, cu, gates="mild"):
     """A timed closure: one jitted forward + backward of kda_jax.chunk_kda."""
-    q, k, v, g, beta = (jnp.asarray(a, jnp.bfloat16 if i < 3 else jnp.float32)
-                        for i, a in enumerate(arrays))
+    arrays, params, flags = sweep.kda_jax_inputs(inputs, gates)
     bounds = None if cu is None else kda_jax.SeqBounds(cu)
-    do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape), jnp.bfloat16)
+    do = jnp.asarray(np.random.default_rng(1).standard_normal(arrays[2].shape), jnp.bfloat16)
 
     @jax.jit
-    def step(q, k, v, g, beta, do):
-        def loss(q, k, v, g, beta):
-            o = kda_jax.chunk_kda(q, k, v, g, beta, cu_seqlens=bounds, implementation=impl)[0]
+    def step(arrays, params, do):
+        def loss(arrays, params):
+            o = kda_jax.chunk_kda(*arrays, cu_seqlens=bounds, implementation=impl, **params,
+                                  **flags)[0]
             return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+        return jax.grad(loss, argnums=(0, 1))(arrays, params)
 
-    return lambda: time_jax(step, q, k, v, g, beta, do)
+    return lambda: time_jax(step, arrays, params, do)
 
 
 def main(argv=None):

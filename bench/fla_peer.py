@@ -1,4 +1,5 @@
-"""fla's side of every benchmark, in a process of its own.
+"""The PyTorch peers' side of every benchmark (fla, and cuDNN's KDA in the sweeps), in a
+process of its own.
 
 fla (PyTorch) and torch's Triton run badly beside JAX and jax-triton in one
 process (torch's Triton lost its cache directory once jax-triton was imported),
@@ -9,8 +10,13 @@ then {"done": true}. The child stays alive between jobs, so a benchmark can
 alternate its own measurements with fla's (bench.decode --rounds).
 
 Jobs (all bf16 q/k/v, float32 g and beta, inputs from bench.inputs):
-  {"job": "sweep", "mode": "forward" | "backward", "rows": [[B, T, H, K, V, cu or null], ...]}
-      fla's chunk_kda (with backward: plus autograd's backward); rows {"index": i, "ms": ...}
+  {"job": "sweep", "library": "fla" | "cudnn", "mode": "forward" | "backward",
+   "rows": [[B, T, H, K, V, cu or null, gates], ...], "references": [.npy path or null, ...]}
+      fla's chunk_kda, or cuDNN frontend's kimi_delta_attention on THD views (with backward:
+      plus autograd's backward), on bench.inputs.make_gated at each row's gate regime;
+      rows {"index": i, "ms": ...}, with "o_rel_rms_to_triton" where a reference o is
+      given (forward), or "ms": null and "refused" (the library declined the call),
+      "unavailable" (not importable here) or "error"
   {"job": "serving", "sets": [[lengths], ...], "heads": H, "head_dim": D}
       the mixed serving step with device cu_seqlens, and with cu_seqlens_cpu
   {"job": "decode", "n": N, "heads": H, "head_dim": D, "forms": ["dense", "pool"]}
@@ -31,7 +37,7 @@ import sys
 
 import numpy as np
 
-from bench.inputs import make
+from bench.inputs import make, make_gated, options
 
 
 # --------------------------------------------------------------------------- #
@@ -66,7 +72,7 @@ class FlaPeer:
         hello = self._next()
         if not hello.get("ready"):
             raise FlaUnavailable(f"the fla child did not start: {self.tail()}")
-        self.versions = {"torch": hello.get("torch"), "fla": hello.get("fla")}
+        self.versions = {k: v for k, v in hello.items() if k != "ready"}
 
     def tail(self) -> str:
         return "\n".join(self.other)[-600:]
@@ -152,30 +158,103 @@ def _syncs(call) -> int:
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
-def sweep_job(job):
+def fla_call(x, gates, cu):
+    """() -> o [B, T, H, V]: fla's chunk_kda on the tensors ``x`` (cu: varlen bounds, B = 1)."""
     import torch
     from fla.ops.kda import chunk_kda
 
-    backward = job.get("mode") == "backward"
-    for i, (b, t, h, kd, vd, cu) in enumerate(job["rows"]):
-        q, k, v, g, beta = _inputs(b, t, h, kd, vd)
-        kw = {}
-        if cu is not None:
-            kw = dict(cu_seqlens=_cuda(cu, torch.long), cu_seqlens_cpu=torch.tensor(cu))
-        if backward:
-            for a in (q, k, v, g, beta):
-                a.requires_grad_(True)
-            do = torch.randn(b, t, h, vd, device="cuda", dtype=torch.bfloat16)
+    static = options(gates, "fla")
+    if cu is not None:
+        static.update(cu_seqlens=_cuda(cu, torch.long), cu_seqlens_cpu=torch.tensor(cu))
 
-            def step(_):
-                for a in (q, k, v, g, beta):
-                    a.grad = None  # no accumulation into earlier gradients
-                torch.autograd.backward(chunk_kda(q, k, v, g, beta, **kw)[0], do)
-        else:
-            def step(_):
-                chunk_kda(q, k, v, g, beta, **kw)
-        ms, host_ms = _timed(step, job.get("iters", 20), job.get("repeats", 5))
-        yield {"index": i, "ms": ms, "host_ms": host_ms}
+    def call():  # views are taken per call: autograd sees them anew each step
+        kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"].flatten()) if "A_log" in x else {}
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **static, **kw)[0]
+
+    return call
+
+
+def cudnn_call(x, gates, cu):
+    """() -> o [B, T, H, V]: cuDNN frontend's kimi_delta_attention on THD views [B * T, H, D]
+    of ``x`` with int32 cu_seqlens (``cu``, or B sequences of T tokens)."""
+    import torch
+    from cudnn.linear_attention import kimi_delta_attention
+
+    b, t = x["q"].shape[:2]
+    static = dict(options(gates, "cudnn"),
+                  cu_seqlens=_cuda(np.arange(b + 1) * t if cu is None else cu, torch.int32))
+    if "A_log" in x:
+        static.update(a_log=x["A_log"], dt_bias=x["dt_bias"])
+
+    def call():
+        thd = [x[n].flatten(0, 1) for n in ("q", "k", "v", "g", "beta")]
+        return kimi_delta_attention(*thd, **static)[0].view(x["v"].shape)
+
+    return call
+
+
+CALLS = {"fla": (fla_call, "fla.ops.kda"), "cudnn": (cudnn_call, "cudnn.linear_attention.ops.kda")}
+
+
+def peer_row(library, backward, b, t, h, kd, vd, cu, gates, reference=None, iters=20,
+             repeats=5):
+    """One timed call of a peer (forward, or forward + autograd backward of sum(o * do) for
+    every input, A_log and dt_bias included): {"ms", "host_ms"} and, forward with a reference
+    o (.npy), its relative RMS difference."""
+    import torch
+
+    x = {n: _cuda(a, torch.bfloat16 if n in ("q", "k", "v") else torch.float32)
+         for n, a in make_gated(b, t, h, kd, vd, gates).items()}
+    call, row = CALLS[library][0](x, gates, cu), {}
+    if not backward:
+        if reference is not None:  # the first call, before the timing's warm-up
+            ref = torch.from_numpy(np.load(reference)).cuda()
+            d = call().float() - ref
+            row["o_rel_rms_to_triton"] = float(((d * d).mean() / (ref * ref).mean()).sqrt())
+        step = lambda _: call()
+    else:
+        for a in x.values():
+            a.requires_grad_(True)
+        do = torch.randn(b, t, h, vd, device="cuda", dtype=torch.bfloat16)
+
+        def step(_):
+            for a in x.values():
+                a.grad = None  # no accumulation into earlier gradients
+            torch.autograd.backward(call(), do)
+    ms, host_ms = _timed(step, iters, repeats)
+    return dict(row, ms=ms, host_ms=host_ms)
+
+
+def failure(e: Exception) -> dict:
+    """{"refused": text} where the library declined the call (cuDNN: NotImplementedError,
+    cudnnGraphNotSupportedError or an "unsupported" message), else {"error": text}."""
+    text = f"{type(e).__name__}: {str(e)[:800]}"
+    refused = (isinstance(e, NotImplementedError) or "NotSupported" in type(e).__name__
+               or "unsupported" in text.lower() or "not supported" in text.lower())
+    return {"refused" if refused else "error": text}
+
+
+def sweep_job(job):
+    import importlib
+
+    library, rows = job.get("library", "fla"), job["rows"]
+    references = job.get("references") or [None] * len(rows)
+    try:
+        importlib.import_module(CALLS[library][1])
+    except (ImportError, OSError) as e:  # this library's rows only: the other peer still runs
+        yield from ({"index": i, "ms": None, "unavailable": f"{type(e).__name__}: {e}"}
+                    for i in range(len(rows)))
+        return
+    for i, (b, t, h, kd, vd, cu, *gates) in enumerate(rows):
+        try:
+            row = peer_row(library, job.get("mode") == "backward", b, t, h, kd, vd, cu,
+                           gates[0] if gates else "mild", references[i],
+                           job.get("iters", 20), job.get("repeats", 5))
+        except Exception as e:  # noqa: BLE001 - a failure costs this row only
+            row = {"ms": None, **failure(e)}
+            if "torch" in sys.modules:
+                sys.modules["torch"].cuda.empty_cache()
+        yield {"index": i, **row}
 
 
 def serving_job(job):
@@ -259,20 +338,17 @@ JOBS = {"sweep": sweep_job, "serving": serving_job, "decode": decode_job}
 def child_main():
     import torch
 
-    fla_version = None
-    try:
-        from importlib import metadata
+    from bench.meta import versions
 
-        fla_version = metadata.version("fla-core")
-    except Exception:  # noqa: BLE001
-        fla_version = getattr(__import__("fla"), "__version__", None)
-    serve(JOBS, torch.__version__, fla_version)
+    found = versions(("fla", "cudnn_frontend"))
+    serve(JOBS, torch.__version__, found["fla"], cudnn_frontend=found["cudnn_frontend"])
 
 
-def serve(jobs, torch_version, fla_version, traceback_to_stdout=False):
-    """The child's loop: says it is ready, then runs one job per stdin line
-    (``jobs[job["job"]](job)`` yields rows) until an empty line or EOF."""
-    print(json.dumps({"ready": True, "torch": torch_version, "fla": fla_version}), flush=True)
+def serve(jobs, torch_version, fla_version, traceback_to_stdout=False, **more_versions):
+    """The child's loop: says it is ready (with its versions), then runs one job per stdin
+    line (``jobs[job["job"]](job)`` yields rows) until an empty line or EOF."""
+    print(json.dumps({"ready": True, "torch": torch_version, "fla": fla_version,
+                      **more_versions}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             break

@@ -1,10 +1,14 @@
-"""chunk_kda forward: kda_jax (Triton, XLA) against fla's chunk_kda (PyTorch) in one run.
+"""chunk_kda forward: kda_jax (Triton, XLA) against fla's chunk_kda and cuDNN's
+kimi_delta_attention (PyTorch, one child process) in one run.
 
-    python -m bench.forward [--varlen 1,1,1100,1300] [--impls triton,fla,xla] [--json PATH]
+    python -m bench.forward [--gates mild,safe,layer] [--impls triton,fla,cudnn,xla]
+                            [--shapes "1,8192,32;1,65536,4"] [--varlen 1,1,1100,1300] [--json PATH]
 
-Times exclude compilation. Each row also gives the fraction of the H200's
-roofline: the model below counts the fewest bytes (inputs read once, o written
-once) and the chunked algorithm's matrix FLOPs.
+Timed: one call of o = chunk_kda(q, k, v, g, beta) on bench.inputs.make_gated's arrays at
+each gate regime (bf16 q, k, v; float32 g, beta), compilation excluded (bench.timing). Each
+row also gives the fraction of the H200's roofline (the fewest bytes: inputs read once, o
+written once; the chunked algorithm's matrix FLOPs) and, for every implementation after
+the shipped ``triton``, the relative RMS difference of its o from triton's.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 import kda_jax
 from bench import sweep
@@ -36,16 +40,19 @@ def roofline_ms(b, t, h, kd, vd, chunk=64):
     return max(bytes_ / H200_BYTES_PER_S, flops / H200_BF16_FLOPS) * 1e3, bytes_, flops
 
 
-def jax_runner(impl, arrays, cu):
-    q, k, v, g, beta = (jnp.asarray(a, jnp.bfloat16 if i < 3 else jnp.float32)
-                        for i, a in enumerate(arrays))
+def jax_runner(impl, inputs, cu, gates="mild"):
+    """A timed closure of one jitted kda_jax.chunk_kda; its ``output()`` gives o (float32)."""
+    arrays, params, flags = sweep.kda_jax_inputs(inputs, gates)
     bounds = None if cu is None else kda_jax.SeqBounds(cu)
 
     @jax.jit
-    def run(q, k, v, g, beta):
-        return kda_jax.chunk_kda(q, k, v, g, beta, cu_seqlens=bounds, implementation=impl)[0]
+    def run(arrays, params):
+        return kda_jax.chunk_kda(*arrays, cu_seqlens=bounds, implementation=impl, **params,
+                                 **flags)[0]
 
-    return lambda: time_jax(run, q, k, v, g, beta)
+    timer = lambda: time_jax(run, arrays, params)
+    timer.output = lambda: np.asarray(run(arrays, params), np.float32)
+    return timer
 
 
 def main(argv=None):

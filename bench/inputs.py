@@ -1,9 +1,28 @@
-"""Benchmark inputs (NumPy only, so a PyTorch peer can import them without JAX)."""
+"""Benchmark inputs (NumPy only, so a PyTorch peer can import them without JAX).
+
+The sweeps (bench.forward, bench.backward) draw their inputs with :func:`make_gated`
+at one of three gate regimes, and every library gets the same arrays:
+
+- ``mild``: g = logsigmoid(x) / 16, x ~ N(0, 1) (fla's benchmark gates, about -0.05 a token);
+- ``safe``: the precomputed safe gate at lower bound -5,
+  g = -5 sigmoid(exp(A_log) (x + dt_bias)), A_log = log U(1, 16) [H], dt_bias ~ U(-0.5, 0.5)
+  [H, K] (about -2.5 a token), computed here in float32;
+- ``layer``: the safe gate computed in the kernel from the raw x, with q/k L2 norm and the beta
+  sigmoid in the kernel too (:func:`options` gives each library's flags).
+
+mild and safe pass L2-normalised q and k and beta = sigmoid(b) in (0, 1); layer passes the raw
+q, k, b (N(0, 1)) and x of the same draws, so layer and safe compute the same function.
+"""
 
 import numpy as np
 
+GATES = ("mild", "safe", "layer")
+LOWER_BOUND = -5.0
+SIGMOID_ARG_CAP = 30.0  # sigmoid is 0 or 1 in float32 beyond it (as kda_jax.transforms)
+
 
 def make(b, t, h, kd, vd, seed=0):
+    """The serving, decode and tuning benchmarks' inputs: normalised q, k; g = -exp(U(-5, -0.7))."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((b, t, h, kd), np.float32)
     k = rng.standard_normal((b, t, h, kd), np.float32)
@@ -13,6 +32,54 @@ def make(b, t, h, kd, vd, seed=0):
     g = -np.exp(rng.uniform(-5, -0.7, (b, t, h, kd))).astype(np.float32)
     beta = rng.uniform(0.05, 1.0, (b, t, h)).astype(np.float32)
     return q, k, v, g, beta
+
+
+def safe_gate(x, A_log, dt_bias, lower_bound=LOWER_BOUND):
+    """lower_bound * sigmoid(exp(A_log) * (x + dt_bias)) in float32: x [..., H, K], A_log [H],
+    dt_bias [H, K]."""
+    z = np.exp(A_log.astype(np.float32))[:, None] * (x + dt_bias).astype(np.float32)
+    z = np.clip(z, -SIGMOID_ARG_CAP, SIGMOID_ARG_CAP)
+    return (np.float32(lower_bound) / (1 + np.exp(-z))).astype(np.float32)
+
+
+def make_gated(b, t, h, kd, vd, gates="mild", seed=0) -> dict:
+    """float32 inputs of one gate regime: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K],
+    beta [B, T, H]; layer adds A_log [H] and dt_bias [H, K]. The draws do not depend on
+    ``gates``, only their transforms do."""
+    if gates not in GATES:
+        raise ValueError(f"gates={gates!r}: one of {GATES}")
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: rng.standard_normal(s, np.float32)
+    q, k, v, x, b_raw = (normal(b, t, h, kd), normal(b, t, h, kd), normal(b, t, h, vd),
+                         normal(b, t, h, kd), normal(b, t, h))
+    A_log = np.log(rng.uniform(1, 16, h)).astype(np.float32)
+    dt_bias = rng.uniform(-0.5, 0.5, (h, kd)).astype(np.float32)
+    if gates == "layer":
+        return dict(q=q, k=k, v=v, g=x, beta=b_raw, A_log=A_log, dt_bias=dt_bias)
+    if gates == "mild":
+        g = (np.minimum(x, 0) - np.log1p(np.exp(-np.abs(x)))) / 16
+    else:
+        g = safe_gate(x, A_log, dt_bias)
+    l2 = lambda a: a / np.sqrt(np.sum(a * a, axis=-1, keepdims=True) + 1e-6)
+    beta = 1 / (1 + np.exp(-b_raw))
+    return dict(q=l2(q), k=l2(k), v=v, g=g.astype(np.float32), beta=beta.astype(np.float32))
+
+
+def options(gates: str, library: str) -> dict:
+    """Each library's keyword flags for a regime ("kda_jax", "fla" or "cudnn"); A_log and
+    dt_bias (layer) the caller passes in its own layout: kda_jax and fla take dt_bias
+    [H * K], cuDNN [H, K]. fla gets safe_gate=True for the bounded gates (its M=16 path);
+    cuDNN reads its safe gate from raw g with safe_gate=True."""
+    if gates not in GATES or library not in ("kda_jax", "fla", "cudnn"):
+        raise ValueError(f"gates={gates!r}, library={library!r}: one of {GATES}, one of "
+                         "kda_jax, fla, cudnn")
+    bounded = {"fla": dict(safe_gate=True)}.get(library, {}) if gates != "mild" else {}
+    if gates != "layer":
+        return bounded
+    in_kernel = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if library == "cudnn":
+        return dict(in_kernel, safe_gate=True, gate_lower_bound=LOWER_BOUND)
+    return {**in_kernel, **bounded, "use_gate_in_kernel": True, "lower_bound": LOWER_BOUND}
 
 
 def serving_length_sets(base, count, seed=0, jitter=64):

@@ -1,8 +1,13 @@
 """One KDA layer, kda_jax.nn.KimiDeltaAttention against fla's KimiDeltaAttention:
 parity (the same weights and bf16 inputs) and timing, in one run.
 
-    python -m bench.layer [--json bench/results/h200-layer.json] [--no-fla] [--smoke]
+    python -m bench.layer [--gates softplus,safe] [--json bench/results/h200-layer.json]
+                          [--no-fla] [--smoke]
     python -m bench.layer --skip-timing --fla-first-config   # parity alone, quickly
+
+``--gates``: the layer's gate forms, each a run of its own (rows carry "gates"):
+"softplus", fla's default -exp(A_log) * softplus(x + dt_bias), and "safe",
+-5 * sigmoid(exp(A_log) * (x + dt_bias)) with fla's safe_gate (bench.layer_fla.GATE_FORMS).
 
 Parity: fla's layer is built (fla's init, bf16, on the GPU) in a child process
 (bench.layer_fla; torch and JAX run badly in one process, see bench.fla_peer),
@@ -21,8 +26,9 @@ W - 1 columns ours keeps).
 Timing (bench.timing, medians; compilation excluded): the layer's forward and
 forward + backward (gradients of the parameters and x) at [1, 8192, 2048],
 16 heads, K = V = 128, bf16; one decode step of 256 sequences (ours with a
-dense cache and with the cache as a pool updated in place, donated). The
-ratio is ours over fla's (target: <= 1.0).
+dense cache and with the cache as a pool updated in place, donated). Both
+layers hold the same parameters (fla's init, converted) and take the same
+inputs (bench.layer_fla.timing_inputs). The ratio is ours over fla's.
 
 ``--smoke`` uses tiny sizes (``--impl xla --no-fla`` runs on a CPU: it checks
 the code path; CPU timings are not results). ``--fla-cpu`` is the parity
@@ -49,7 +55,7 @@ import numpy as np
 
 from bench import meta as run_meta
 from bench.fla_peer import FlaPeer, FlaUnavailable
-from bench.layer_fla import CASES, CPU, FULL, SMOKE
+from bench.layer_fla import CASES, CPU, FULL, GATE_FORMS, SMOKE, timing_inputs
 from bench.timing import time_calls
 from kda_jax.testing import rel_rms
 
@@ -66,7 +72,9 @@ def our_layer(config: dict, implementation: str | None):
                               expand_v=config.get("expand_v", 1),
                               param_dtype=jnp.dtype(config.get("dtype", "bfloat16")),
                               implementation=implementation,
-                              mode=config.get("mode", "chunk"), rngs=nnx.Rngs(config["seed"]))
+                              mode=config.get("mode", "chunk"),
+                              safe_gate=config.get("safe_gate", False),
+                              lower_bound=config.get("lower_bound"), rngs=nnx.Rngs(config["seed"]))
 
 
 def _split(layer):
@@ -168,16 +176,17 @@ def parity(fla: FlaPeer, config: dict, cases: dict, implementation) -> list[dict
 
 
 def our_timings(config: dict, implementation, tokens: int, decode_seqs: int, iters: int,
-                repeats: int) -> dict[str, float]:
-    """ms per call of our layer: forward, forward + backward, and a decode step
-    (dense cache; pool cache donated and updated in place)."""
+                repeats: int, weights: dict | None = None) -> dict[str, float]:
+    """ms per call of our layer (with fla's ``weights`` where given): forward, forward +
+    backward, and a decode step (dense cache; pool cache donated and updated in place)."""
+    from kda_jax.nn import from_fla_state_dict
+
     layer = our_layer(config, implementation)
+    if weights is not None:
+        from_fla_state_dict(weights, layer)
     merge, params = _split(layer)
-    key = jax.random.PRNGKey(0)
-    x = jax.random.normal(key, (1, tokens, config["hidden"]), jnp.bfloat16)
-    dy = jax.random.normal(jax.random.fold_in(key, 1), x.shape, jnp.bfloat16)
-    x_step = jax.random.normal(jax.random.fold_in(key, 2), (decode_seqs, 1, config["hidden"]),
-                               jnp.bfloat16)
+    x, dy, x_step = (jnp.asarray(a, jnp.bfloat16)
+                     for a in timing_inputs(config["hidden"], tokens, decode_seqs, config["seed"]))
     forward = jax.jit(lambda p, x: merge(p)(x))
 
     @jax.jit
@@ -208,6 +217,28 @@ def our_timings(config: dict, implementation, tokens: int, decode_seqs: int, ite
         "decode step": timed(step("dense")),
         "decode step, pool": timed(step("pool")),
     }
+
+
+def fla_timings(fla: FlaPeer, config: dict, tokens: int, decode_seqs: int, iters: int,
+                repeats: int):
+    """fla's layer timed in the child: ({what: row}, its weights or None, ok)."""
+    rows, ok = {}, True
+    directory = tempfile.mkdtemp(prefix="kda-layer-")
+    try:
+        for msg in fla.run({"job": "timing", "config": config, "tokens": tokens, "dir": directory,
+                            "decode_seqs": decode_seqs, "iters": iters, "repeats": repeats}):
+            if "row" in msg:
+                rows[msg["row"]["what"]] = msg["row"]
+            else:
+                print(f"fla timing: {msg}", file=sys.stderr)
+                ok = False
+        path = os.path.join(directory, "weights.npz")
+        return rows, (dict(np.load(path)) if os.path.exists(path) else None), ok
+    except FlaUnavailable as e:
+        print(f"fla timing failed: {e}", file=sys.stderr)
+        return rows, None, False
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def timing_rows(ours: dict, fla_rows: dict) -> list[dict]:
@@ -263,7 +294,12 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="chunk", choices=("chunk", "fused_recurrent"),
                    help="our layer's mode (fused_recurrent: a quick check of the code "
                         "path on a CPU; its Triton form has no backward)")
+    p.add_argument("--gates", default="softplus",
+                   help=f"comma-separated gate forms among {', '.join(GATE_FORMS)}")
     args = p.parse_args(argv)
+    forms = args.gates.split(",")
+    if not forms or any(f not in GATE_FORMS for f in forms) or len(set(forms)) < len(forms):
+        p.error(f"--gates {args.gates!r}: distinct names among {', '.join(GATE_FORMS)}")
     config = dict(SMOKE if args.smoke else FULL, mode=args.mode)
     cases = CASES["smoke" if args.smoke else "full"]
     child = [args.fla_python, "-m", "bench.layer_fla"]
@@ -283,41 +319,37 @@ def main(argv=None) -> int:
             fla = FlaPeer(child)
         except FlaUnavailable as e:
             print(f"fla unavailable, our side only: {e}", file=sys.stderr)
-    parity_rows, timing, rc = [], [], 0
+    shapes = (f"[1, {tokens}, {config['hidden']}], {config['heads']} heads, K = V = "
+              f"{config['head_dim']}; decode {decode_seqs} sequences; bf16")
+    rows, rc = [], 0
     try:
-        if fla is not None and not args.skip_parity:
-            try:
-                parity_rows = parity(fla, config, cases, args.impl)
-            except FlaUnavailable as e:
-                print(f"parity failed: {e}", file=sys.stderr)
-                rc = 1
-        if not args.skip_timing:
-            fla_rows = {}
-            if fla is not None:
+        for form in forms:
+            cfg = dict(config, **GATE_FORMS[form])
+            parity_rows, timing = [], []
+            if fla is not None and not args.skip_parity:
                 try:
-                    for msg in fla.run({"job": "timing", "config": config, "tokens": tokens,
-                                        "decode_seqs": decode_seqs, "iters": args.iters,
-                                        "repeats": args.repeats}):
-                        if "row" in msg:
-                            fla_rows[msg["row"]["what"]] = msg["row"]
-                        else:
-                            print(f"fla timing: {msg}", file=sys.stderr)
-                            rc = 1
+                    parity_rows = parity(fla, cfg, cases, args.impl)
                 except FlaUnavailable as e:
-                    print(f"fla timing failed: {e}", file=sys.stderr)
+                    print(f"parity failed: {e}", file=sys.stderr)
                     rc = 1
-            ours = our_timings(config, args.impl, tokens, decode_seqs, args.iters, args.repeats)
-            timing = timing_rows(ours, fla_rows)
+            if not args.skip_timing:
+                fla_rows, weights = {}, None
+                if fla is not None:
+                    fla_rows, weights, ok = fla_timings(fla, cfg, tokens, decode_seqs,
+                                                        args.iters, args.repeats)
+                    rc = rc or int(not ok)
+                ours = our_timings(cfg, args.impl, tokens, decode_seqs, args.iters,
+                                   args.repeats, weights)
+                timing = timing_rows(ours, fla_rows)
+            print(f"\n== gates: {form}")
+            print_tables(parity_rows, timing, shapes)
+            rows += ([{"kind": "parity", "gates": form, **r} for r in parity_rows]
+                     + [{"kind": "timing", "gates": form, "shape": shapes, **r} for r in timing])
     finally:
         if fla is not None:
             fla.close()
-    shapes = (f"[1, {tokens}, {config['hidden']}], {config['heads']} heads, K = V = "
-              f"{config['head_dim']}; decode {decode_seqs} sequences; bf16")
-    print_tables(parity_rows, timing, shapes)
     versions = fla.versions if fla is not None else {}
     meta = run_meta.run_metadata("bench.layer", argv, **versions)
-    rows = ([{"kind": "parity", **r} for r in parity_rows]
-            + [{"kind": "timing", "shape": shapes, **r} for r in timing])
     run_meta.write_rows(args.json, run_meta.stamp(rows, meta))
     return rc
 

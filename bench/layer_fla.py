@@ -15,9 +15,13 @@ Jobs:
       cotangent dy) and "decode" (eval mode with a cache: a prefill, then one
       token per sequence; outputs and the caches after each). With --cpu:
       on the CPU, fla's Triton kernels in the interpreter, "naive" only.
-  {"job": "timing", "config": {...}, "tokens": T, "decode_seqs": N, "iters", "repeats"}
+  {"job": "timing", "config": {...}, "tokens": T, "decode_seqs": N, "iters", "repeats",
+   "dir": PATH or absent}
       the layer's forward and forward + backward at [1, T, hidden], and one
-      decode step of N sequences with a cache; rows {"what", "ms"}.
+      decode step of N sequences with a cache, on timing_inputs; rows {"what",
+      "ms"}; with "dir", the layer's weights first go to PATH/weights.npz (the
+      parent times its layer with the same parameters).
+The config's gate form (GATE_FORMS: "safe_gate", "lower_bound") reaches fla's layer.
 
 NumPy helpers at the top are shared with the parent (no torch, no JAX there).
 
@@ -41,6 +45,10 @@ FULL = dict(hidden=2048, heads=16, head_dim=128, seed=0)
 SMOKE = dict(hidden=32, heads=2, head_dim=16, seed=0)
 # fla's layer on the CPU (--cpu): GVA (4 value heads on 2 q/k heads) and V = 2 K.
 CPU = dict(hidden=32, heads=2, v_heads=4, head_dim=8, expand_v=2, seed=0)
+# The layer's gate forms (bench.layer --gates): "softplus", fla's default
+# -exp(A_log) * softplus(x + dt_bias), and "safe", lower_bound * sigmoid(exp(A_log) *
+# (x + dt_bias)) at -5 with fla's safe_gate (its init: A_log = 0).
+GATE_FORMS = {"softplus": {}, "safe": dict(safe_gate=True, lower_bound=-5.0)}
 CASES = {
     "full": {"dense": dict(b=2, t=512), "varlen": dict(lengths=[1, 63, 200, 500, 260]),
              "decode": dict(b=4, prefill=100)},
@@ -63,6 +71,14 @@ def case_inputs(name: str, case: dict, hidden: int, seed: int) -> dict[str, np.n
         return {"x": f(1, t, hidden), "dy": f(1, t, hidden),
                 "cu_seqlens": np.r_[0, np.cumsum(case["lengths"])].astype(np.int64)}
     return {"x": f(case["b"], case["t"], hidden), "dy": f(case["b"], case["t"], hidden)}
+
+
+def timing_inputs(hidden: int, tokens: int, decode_seqs: int, seed: int = 0):
+    """float32 x [1, tokens, hidden], dy like x and x_step [decode_seqs, 1, hidden] of the
+    timing (both sides take them as bf16)."""
+    rng = np.random.default_rng(seed + 4)
+    f = lambda *s: rng.standard_normal(s, np.float32)
+    return f(1, tokens, hidden), f(1, tokens, hidden), f(decode_seqs, 1, hidden)
 
 
 # --------------------------------------------------------------------------- #
@@ -230,7 +246,9 @@ def build_layer(config):
     torch.manual_seed(config["seed"])
     layer = KimiDeltaAttention(hidden_size=config["hidden"], head_dim=config["head_dim"],
                                num_heads=config["heads"], num_v_heads=config.get("v_heads"),
-                               expand_v=config.get("expand_v", 1), mode="chunk", layer_idx=0)
+                               expand_v=config.get("expand_v", 1), mode="chunk", layer_idx=0,
+                               safe_gate=config.get("safe_gate", False),
+                               lower_bound=config.get("lower_bound"))
     return layer.to(device=DEVICE[0], dtype=torch.bfloat16)
 
 
@@ -313,12 +331,14 @@ def timing_job(job):
 
     config = job["config"]
     layer = build_layer(config)
+    if job.get("dir"):
+        np.savez(os.path.join(job["dir"], "weights.npz"),
+                 **{n: _np(p) for n, p in layer.state_dict().items()})
     hidden, t, n = config["hidden"], job["tokens"], job["decode_seqs"]
     iters, repeats = job.get("iters", 20), job.get("repeats", 5)
     sync = torch.cuda.synchronize
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, t, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-    dy = torch.randn_like(x)
+    bf16 = lambda a: torch.tensor(a, device="cuda", dtype=torch.bfloat16)
+    x, dy, x_step = map(bf16, timing_inputs(hidden, t, n, config["seed"]))
 
     def forward(_):
         with torch.no_grad():
@@ -339,7 +359,6 @@ def timing_job(job):
     states = {"conv_state": (zeros(heads * kd), zeros(heads * kd), zeros(heads * vd)),
               "recurrent_state": torch.zeros(n, heads, vd, kd, device="cuda")}
     cache = LayerCache(states)
-    x_step = torch.randn(n, 1, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
 
     def decode(_):
         with torch.no_grad():

@@ -14,7 +14,7 @@ import platform
 import subprocess
 import sys
 
-PACKAGES = ("jax", "jaxlib", "triton", "jax_triton", "torch", "fla")
+PACKAGES = ("jax", "jaxlib", "triton", "jax_triton", "torch", "fla", "cudnn_frontend")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,7 +39,8 @@ def git_state() -> dict:
 
 def versions(packages=PACKAGES) -> dict:
     """Python's version and each package's ``__version__`` (None where not importable).
-    fla is looked up without importing it where possible (importing it pulls in torch)."""
+    fla and cuDNN's frontend are looked up without importing them where possible (importing
+    them pulls in torch)."""
     out = {"python": platform.python_version()}
     for name in packages:
         out[name] = _version_of(name)
@@ -49,7 +50,8 @@ def versions(packages=PACKAGES) -> dict:
 def _version_of(name: str) -> str | None:
     from importlib import metadata
 
-    dist = {"jax_triton": "jax-triton", "fla": "fla-core"}.get(name, name)
+    dist = {"jax_triton": "jax-triton", "fla": "fla-core",
+            "cudnn_frontend": "nvidia-cudnn-frontend"}.get(name, name)
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:

@@ -3,9 +3,10 @@
     python -m bench.plot [--results bench/results] [--out DIR]
 
 For every forward or backward file in --results (h200-forward.json,
-forward-varlen.json; not tune-*): kda_jax's
-time over fla's for each shape (bars; 1.0 is parity, below is faster), one bar
-per kda_jax implementation with an fla time in the same run. For serving and
+forward-varlen.json; not tune-*): each
+implementation's time over fla's for each gate regime and shape (bars; 1.0 is
+parity, below is faster), one bar per implementation (kda_jax's, cuDNN) with an
+fla time in the same run. For serving and
 decode files: ms per step of each row, grouped by step.
 Each chart is written beside its JSON (or into --out) as ``<name>.png``, and its
 title names the commit and date of the rows.
@@ -30,9 +31,10 @@ def kind_of(path: str) -> str | None:
 
 
 def shape_label(row: dict) -> str:
+    gates = f"{row['gates']}: " if row.get("gates") else ""
     if row.get("varlen"):
-        return f"varlen {len(row['varlen'])} seqs\nT={row['T']} H={row['H']}"
-    return f"{row['B']},{row['T']},{row['H']}"
+        return f"{gates}varlen {len(row['varlen'])} seqs\nT={row['T']} H={row['H']}"
+    return f"{gates}{row['B']},{row['T']},{row['H']}"
 
 
 def provenance(rows: list[dict]) -> str:

@@ -4,8 +4,11 @@
 #   bash bench/run_gpu.sh [STAGE...]        (no stage: tests forward backward serving decode plot)
 #
 #   tests     the Triton test tiers natively (forward, decode, pool, bucketed, gradients)
-#   forward   bench.forward over the dense sweep, then the serving batch (varlen)
-#   backward  bench.backward (forward + backward) over the dense sweep
+#   forward   bench.forward over SHAPES (default the dense sweep) at every regime of GATES, then
+#             the serving batch (varlen): $OUT/forward.json, $OUT/forward-varlen.json
+#   backward  bench.backward (forward + backward), the same rows: $OUT/backward.json
+#   layer     bench.layer: the Flax layer's forward, training step and decode against fla's
+#             layer at the softplus and safe gates (LAYER_GATES): $OUT/layer.json
 #   serving   bench.serving: the mixed serving step, bucketed and static, against fla
 #   decode    bench.decode: dense and pool decode steps against fla, with alternating rounds
 #   plot      bench.plot: PNG charts of the JSON written here
@@ -16,14 +19,20 @@
 #             samples per SASS instruction, summarised by bench.stalls ($OUT/profile-stalls.txt)
 #
 # Needs a CUDA or ROCm GPU, the package's dependencies (pip install ".[cuda,test,bench]" or
-# ".[rocm,test,bench]") and, for fla's columns, torch and fla-core (flash-linear-attention).
+# ".[rocm,test,bench]") and, for the peers' columns, the "peers" extra: torch, fla-core and
+# flash-linear-attention (fla), nvidia-cudnn-frontend and apache-tvm-ffi (cuDNN's KDA; its
+# sm90 engine compiles with NVRTC and the CUDA headers). A peer that is missing gives rows
+# that say "unavailable"; the others still run.
 # Results go to $OUT (default $TMPDIR/kda_jax-results); copy the files of record into
 # bench/results/ under their names there (h200-forward.json ...).
 #
 # Settings (environment):
 #   OUT         where logs and JSON go
-#   IMPLS       the sweeps' implementations, in order (default "triton,fla"; add ",xla" for
-#               the XLA path last: its compiles take minutes)
+#   IMPLS       the sweeps' implementations, in order (default "triton,fla,cudnn"; add ",xla"
+#               for the XLA path last: its compiles take minutes)
+#   GATES       the sweeps' gate regimes (bench.inputs; default "mild safe layer"): one JSON
+#               per benchmark holds them all, each row with its "gates"
+#   LAYER_GATES bench.layer's gate forms (default "softplus safe")
 #   SHAPES      "B,T,H;B,T,H": these rows instead of the dense sweep (forward, backward)
 #   ROUNDS      bench.decode's alternating rounds (default 6)
 #   TIMEOUT     seconds per stage (default 900). fla's first call per shape autotunes for
@@ -56,7 +65,10 @@ pack_autotune() {
 }
 trap pack_autotune EXIT
 limit=${TIMEOUT:-900}
-impls=${IMPLS:-triton,fla}
+impls=${IMPLS:-triton,fla,cudnn}
+gates=${GATES:-mild safe layer}
+gates=${gates// /,}
+layer_gates=${LAYER_GATES:-softplus safe}
 serving_lengths=$(python3 -c 'from kda_jax.testing import SERVING_LENGTHS as s; print(",".join(map(str, s)))')
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests forward backward serving decode plot)
@@ -72,13 +84,19 @@ for stage in "${stages[@]}"; do
         -q -ra -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
       tail -25 "$OUT/pytest_gpu.log" ;;
     forward)
-      timeout "$limit" python3 -m bench.forward --impls "$impls" ${SHAPES:+--shapes "$SHAPES"} \
-        --json "$OUT/forward.json" 2>&1 | tee "$OUT/forward.log" | tail -12
-      timeout "$limit" python3 -m bench.forward --impls "$impls" --varlen "$serving_lengths" \
-        --json "$OUT/forward-varlen.json" 2>&1 | tee "$OUT/forward-varlen.log" | tail -3 ;;
+      timeout "$limit" python3 -m bench.forward --impls "$impls" --gates "$gates" \
+        ${SHAPES:+--shapes "$SHAPES"} --json "$OUT/forward.json" 2>&1 | tee "$OUT/forward.log" \
+        | tail -40
+      timeout "$limit" python3 -m bench.forward --impls "$impls" --gates "$gates" \
+        --varlen "$serving_lengths" --json "$OUT/forward-varlen.json" 2>&1 \
+        | tee "$OUT/forward-varlen.log" | tail -8 ;;
     backward)
-      timeout "$limit" python3 -m bench.backward --impls "$impls" ${SHAPES:+--shapes "$SHAPES"} \
-        --json "$OUT/backward.json" 2>&1 | tee "$OUT/backward.log" | tail -12 ;;
+      timeout "$limit" python3 -m bench.backward --impls "$impls" --gates "$gates" \
+        ${SHAPES:+--shapes "$SHAPES"} --json "$OUT/backward.json" 2>&1 \
+        | tee "$OUT/backward.log" | tail -40 ;;
+    layer)
+      timeout "$limit" python3 -m bench.layer --skip-parity --gates "${layer_gates// /,}" \
+        --json "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log" | tail -20 ;;
     serving)
       timeout "$limit" python3 -m bench.serving --json "$OUT/serving.json" 2>&1 \
         | tee "$OUT/serving.log" | tail -10 ;;

@@ -1,28 +1,36 @@
 """The sweep driver shared by bench.forward and bench.backward: the command
 line for the rows, and one loop that times kda_jax's implementations and reads
-fla's times (measured in a child process, bench.fla_peer), printing a table and
-writing one JSON row per (shape, implementation), each with the run's metadata
-(bench.meta)."""
+the PyTorch peers' times (fla and cuDNN, measured in one child process,
+bench.fla_peer), printing a table and writing one JSON row per (gate regime,
+shape, implementation), each with the run's metadata (bench.meta)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 
 from bench import meta as run_meta
 from bench.fla_peer import FlaPeer, FlaUnavailable
-from bench.inputs import make
-from kda_jax.testing import DENSE_SWEEP
+from bench.inputs import GATES, make_gated, options
+from kda_jax.testing import DENSE_SWEEP, rel_rms
+
+PEERS = ("fla", "cudnn")  # timed in the PyTorch child; every other name is kda_jax's
 
 
 def add_arguments(p):
     """The options every sweep takes."""
-    p.add_argument("--impls", default="triton,fla,xla",
-                   help="measured in this order, each over every row")
+    p.add_argument("--impls", default="triton,fla,cudnn,xla",
+                   help="measured in this order, each over every row: kda_jax's "
+                        "implementations and variants, and the peers fla and cudnn")
+    p.add_argument("--gates", default="mild",
+                   help="comma-separated gate regimes (bench.inputs): mild, safe, layer")
     p.add_argument("--varlen", default=None, help="comma-separated lengths: one B=1 call")
     p.add_argument("--heads", type=int, default=32, help="H for --varlen")
     p.add_argument("--head-dim", type=int, default=128)
@@ -126,97 +134,178 @@ def rows_of(args) -> list[tuple]:
     return [(b, t, h, None) for b, t, h in sweep]
 
 
-def fla_stream(rows, kd, vd, mode="forward"):
-    """Yields (row index, ms) of fla's chunk_kda for ``rows`` as each is timed
-    ("forward" or "backward": forward + autograd backward), then (None, the
-    child's versions); measured in a child process (bench.fla_peer). A child that
-    fails or dies ends the stream with a message on stderr; rows timed stand."""
-    spec = [[b, t, h, kd, vd, None if cu is None else [int(x) for x in cu]] for b, t, h, cu in rows]
+def gates_of(args) -> list[str]:
+    gates = (getattr(args, "gates", None) or "mild").split(",")
+    bad = [g for g in gates if g not in GATES]
+    if bad or len(set(gates)) < len(gates):
+        raise ValueError(f"--gates {args.gates!r}: distinct names among {', '.join(GATES)}")
+    return gates
+
+
+def kda_jax_inputs(inputs: dict, gates: str):
+    """((q, k, v, g, beta), params, flags) for kda_jax.chunk_kda: bf16 q, k, v, float32 g,
+    beta; params {A_log [H], dt_bias [H * K]} (layer) or {}; flags the regime's options.
+    ``inputs``: make_gated's dict, or a (q, k, v, g, beta) tuple (bench.inputs.make)."""
+    import jax.numpy as jnp
+
+    names = ("q", "k", "v", "g", "beta")
+    inputs = inputs if isinstance(inputs, dict) else dict(zip(names, inputs))
+    arrays = tuple(jnp.asarray(inputs[n], jnp.bfloat16 if n in ("q", "k", "v") else jnp.float32)
+                   for n in names)
+    params = {n: jnp.asarray(inputs[n].reshape(-1), jnp.float32)
+              for n in ("A_log", "dt_bias") if n in inputs}
+    return arrays, params, options(gates, "kda_jax")
+
+
+class Child:
+    """The PyTorch child of a run, shared by the peers: started at the first job, and
+    again after one dies."""
+
+    def __init__(self):
+        self.peer, self.versions = None, {}
+
+    def run(self, job):
+        if self.peer is None:
+            self.peer = FlaPeer()
+            self.versions.update({k: v for k, v in self.peer.versions.items() if v})
+        try:
+            yield from self.peer.run(job)
+        except FlaUnavailable:
+            self.close()
+            raise
+
+    def close(self):
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+
+
+def peer_stream(child, cases, kd, vd, mode="forward", library="fla", references=None):
+    """Yields (case index, row) of a peer for ``cases`` [(gates, B, T, H, cu)] as each is
+    timed (row: {"ms", ...} as bench.fla_peer's sweep job gives it). A child that does not
+    start or dies leaves the rows it did not give as {"ms": None, "unavailable" / "error"}."""
+    spec = [[b, t, h, kd, vd, None if cu is None else [int(x) for x in cu], gates]
+            for gates, b, t, h, cu in cases]
+    done = set()
     try:
-        with FlaPeer() as fla:
-            for msg in fla.run({"job": "sweep", "mode": mode, "rows": spec}):
-                if "error" in msg:
-                    print(f"  fla failed: {msg['error']}", file=sys.stderr)
-                else:
-                    yield msg["row"]["index"], msg["row"]["ms"]
-            yield None, fla.versions
+        for msg in child.run({"job": "sweep", "library": library, "mode": mode, "rows": spec,
+                              "references": references}):
+            if "row" in msg:
+                done.add(msg["row"]["index"])
+                yield msg["row"]["index"], msg["row"]
+            else:
+                print(f"  {library} failed: {msg.get('error', msg)}", file=sys.stderr)
     except FlaUnavailable as e:
-        print(f"  fla failed: {e}", file=sys.stderr)
+        print(f"  {library} failed: {e}", file=sys.stderr)
+        why = {"error" if done or "died" in str(e) else "unavailable": str(e)[-400:]}
+        yield from ((i, {"ms": None, **why}) for i in range(len(cases)) if i not in done)
 
 
-def _line(b, t, h, times, impls, roof):
-    """One table row: the times, triton / fla and the roofline fraction."""
-    fla, tri = times.get("fla"), times.get("triton")
-    ratio = tri / fla if tri and fla else float("nan")
-    line = f"{b:>2} {t:>6} {h:>3} " + " ".join(
-        f"{times[i]:>10.3f}" if times.get(i) else f"{'-':>10}" for i in impls) + f"  {ratio:>10.3f}"
+def _cell(result):
+    if result.get("ms"):
+        return f"{result['ms']:>10.3f}"
+    return f"{'refused' if 'refused' in result else '-':>10}"
+
+
+def _line(case, results, impls, roof):
+    """One table row: the times, triton / each peer and the roofline fraction."""
+    gates, b, t, h, _ = case
+    tri = results["triton"].get("ms") if "triton" in results else None
+    line = f"{gates:>5} {b:>2} {t:>6} {h:>3} " + " ".join(_cell(results[i]) for i in impls)
+    for peer in (p for p in PEERS if p in impls and "triton" in impls):
+        ms = results[peer].get("ms")
+        line += f"  {tri / ms:>10.3f}" if tri and ms else f"  {'-':>10}"
     if roof:
         line += f"  {100 * roof[0] / tri:>8.1f}" if tri else f"  {'-':>8}"
     return line
 
 
 def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None):
-    """Times every row: ``runner(impl, arrays, cu)`` gives a timing closure for
-    a kda_jax implementation; ``extra(b, t, h)`` adds fields to each record;
-    ``roofline(b, t, h, kd, vd)`` -> (ms, bytes, flops) adds the roofline
-    columns. Each implementation goes over every row in ``args.impls`` order
-    (fla's in a child process), so "triton,fla,xla" leaves the XLA path's slow
-    compiles for last; ``args.json`` is rewritten after every row, so a run cut
-    short keeps what it measured.
-    Prints the table; returns each row's {implementation: ms or None}."""
+    """Times every (gate regime, row): ``runner(impl, inputs, cu, gates)`` gives a timing
+    closure for a kda_jax implementation (inputs: bench.inputs.make_gated's arrays; a
+    closure with an ``output()`` attribute gives o, which the forward compares across
+    implementations); ``extra(b, t, h)`` adds fields to each record; ``roofline(b, t, h,
+    kd, vd)`` -> (ms, bytes, flops) adds the roofline columns. Each implementation goes over
+    every case in ``args.impls`` order (the peers in one child process), so
+    "triton,fla,cudnn,xla" leaves the XLA path's slow compiles for last; ``args.json`` is
+    rewritten after every case, so a run cut short keeps what it measured.
+    Prints the table; returns each case's {implementation: ms or None}."""
     impls = args.impls.split(",")
     kd = vd = args.head_dim
-    rows = rows_of(args)
-    fla_versions = {}
+    cases = [(gates, *row) for gates in gates_of(args) for row in rows_of(args)]
     base = run_meta.run_metadata(module, argv)
-    times = [dict.fromkeys(impls) for _ in rows]
-    roofs = [roofline(b, t, h, kd, vd) if roofline else None for b, t, h, _ in rows]
+    results = [{impl: {"ms": None} for impl in impls} for _ in cases]
+    roofs = [roofline(b, t, h, kd, vd) if roofline else None for _, b, t, h, _ in cases]
+    child, scratch = Child(), tempfile.mkdtemp(prefix="kda-bench-o-")
+    references = [None] * len(cases)  # the triton path's o per case (.npy), forward only
 
     def save():
         if not args.json:
             return
-        meta = dict(base, versions={**base["versions"], **fla_versions})
+        meta = dict(base, versions={**base["versions"], **child.versions})
         records = []
-        for (b, t, h, cu), row_times, roof in zip(rows, times, roofs):
+        for (gates, b, t, h, cu), row, roof in zip(cases, results, roofs):
             fields = dict(extra(b, t, h)) if extra else {}
-            fla = row_times.get("fla")
             for impl in impls:
-                ms = row_times[impl]
+                ms = row[impl]["ms"]
                 if roof:
                     fields.update(roofline_ms=roof[0], model_bytes=roof[1], model_flops=roof[2],
                                   roofline_fraction=(roof[0] / ms) if ms else None)
+                ratios = {f"ratio_to_{p}": (ms / row[p]["ms"]) if (ms and row.get(p, {}).get("ms"))
+                          else None for p in PEERS if p in impls}
                 records.append(dict(
-                    B=b, T=t, H=h, K=kd, V=vd, dtype="bfloat16",
+                    B=b, T=t, H=h, K=kd, V=vd, dtype="bfloat16", gates=gates,
                     varlen=None if cu is None else [int(x) for x in np.diff(cu)],
-                    implementation="fla" if impl == "fla" else f"kda_jax-{impl}", ms=ms,
-                    ratio_to_fla=(ms / fla) if (ms and fla) else None, **fields))
+                    implementation=impl if impl in PEERS else f"kda_jax-{impl}",
+                    **row[impl], **ratios, **fields))
         run_meta.write_rows(args.json, run_meta.stamp(records, meta))
 
-    header = (f"{'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
-              + "  triton/fla" + ("  roofline%" if roofline else ""))
+    header = (f"{'gates':>5} {'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
+              + "".join(f"  {'triton/' + p:>10}" for p in PEERS if p in impls and "triton" in impls)
+              + ("  roofline%" if roofline else ""))
     print(header, flush=True)
     for impl in impls:  # a bad variant name fails here, before anything is timed
-        implementation(impl, getattr(args, "segment_chunks", None))
-    for impl in impls:  # one implementation over every row, in --impls order
-        if impl == "fla":
-            print("fla (child process):", flush=True)
-            for row, value in fla_stream(rows, kd, vd, mode=mode):
-                if row is None:
-                    fla_versions.update(value)
-                else:
-                    times[row]["fla"] = value
-                    b, t, h, _ = rows[row]
-                    print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)
+        if impl not in PEERS:
+            implementation(impl, getattr(args, "segment_chunks", None))
+    try:
+        for impl in impls:  # one implementation over every case, in --impls order
+            if impl in PEERS:
+                print(f"{impl} (child process):", flush=True)
+                refs = references if any(references) else None
+                for i, row in peer_stream(child, cases, kd, vd, mode, impl, refs):
+                    results[i][impl] = {k: v for k, v in row.items() if k != "index"}
+                    print(_line(cases[i], results[i], impls, roofs[i]), flush=True)
+                    save()
+                continue
+            print(f"{impl}:", flush=True)
+            for i, (gates, b, t, h, cu) in enumerate(cases):
+                try:
+                    name, traced_under = implementation(impl, getattr(args, "segment_chunks", None))
+                    with traced_under:  # the first call traces and compiles
+                        timer = runner(name, make_gated(b, t, h, kd, vd, gates), cu, gates)
+                        results[i][impl]["ms"] = timer()
+                        _agreement(impl, i, timer, references, results, scratch, len(impls))
+                except Exception as e:  # noqa: BLE001 - record and go on to the next peer
+                    results[i][impl]["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                    print(f"  {impl} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                print(_line(cases[i], results[i], impls, roofs[i]), flush=True)
                 save()
-            continue
-        print(f"{impl}:", flush=True)
-        for row, (b, t, h, cu) in enumerate(rows):
-            try:
-                name, traced_under = implementation(impl, getattr(args, "segment_chunks", None))
-                with traced_under:  # the first call traces and compiles
-                    times[row][impl] = runner(name, make(b, t, h, kd, vd), cu)()
-            except Exception as e:  # noqa: BLE001 - record and go on to the next peer
-                print(f"  {impl} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-            print(_line(b, t, h, times[row], impls, roofs[row]), flush=True)
-            save()
-    return times
+    finally:
+        child.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return [{impl: row[impl]["ms"] for impl in impls} for row in results]
+
+
+def _agreement(impl, i, timer, references, results, scratch, n_impls):
+    """The forward's o: the shipped path's (``triton``) is kept as the case's reference
+    (.npy, read by the peers' child too); another implementation's records its relative
+    RMS difference from it."""
+    output = getattr(timer, "output", None)
+    if output is None or n_impls < 2 or (impl != "triton" and references[i] is None):
+        return
+    o = output()
+    if impl == "triton":
+        references[i] = os.path.join(scratch, f"o-{i}.npy")
+        np.save(references[i], o)
+    else:
+        results[i][impl]["o_rel_rms_to_triton"] = rel_rms(o, np.load(references[i]))

@@ -12,52 +12,101 @@ import pytest
 from bench import sweep
 
 
-def _args(tmp_path, impls="triton,fla"):
-    return argparse.Namespace(impls=impls, varlen=None, heads=2, head_dim=16,
+def _args(tmp_path, impls="triton,fla", gates="mild"):
+    return argparse.Namespace(impls=impls, varlen=None, heads=2, head_dim=16, gates=gates,
                               shapes="1,64,2;2,32,2", json=str(tmp_path / "sweep.json"))
 
 
-def test_fla_rows_arrive_one_by_one_and_a_cut_run_keeps_them(tmp_path, monkeypatch, capsys):
-    def cut_after_one_row(rows, kd, vd, mode):
-        assert mode == "forward" and kd == vd == 16 and len(rows) == 2
-        yield 0, 2.0
-        yield None, {"fla": "0.0-test"}
+def _fake_peers(rows_of_peer):
+    """A stand-in for sweep.peer_stream: rows_of_peer(library, cases, mode) yields its rows."""
+    calls = []
+
+    def stream(child, cases, kd, vd, mode="forward", library="fla", references=None):
+        calls.append((library, mode, references))
+        child.versions.update({"torch": "t-child", library: f"{library}-child"})
+        yield from rows_of_peer(library, cases, mode)
+
+    return stream, calls
+
+
+def test_peer_rows_arrive_one_by_one_and_a_cut_run_keeps_them(tmp_path, monkeypatch, capsys):
+    def cut_after_one_row(library, cases, mode):
+        assert mode == "forward" and len(cases) == 2
+        yield 0, {"ms": 2.0, "host_ms": 0.1}
         # the child is killed here: row 1 never comes
 
-    monkeypatch.setattr(sweep, "fla_stream", cut_after_one_row)
+    stream, _ = _fake_peers(cut_after_one_row)
+    monkeypatch.setattr(sweep, "peer_stream", stream)
     times = sweep.run(_args(tmp_path), ["--shapes", "1,64,2;2,32,2"], module="bench.forward",
-                      runner=lambda impl, arrays, cu: (lambda: 1.5), mode="forward")
+                      runner=lambda impl, inputs, cu, gates: (lambda: 1.5), mode="forward")
     assert times == [{"triton": 1.5, "fla": 2.0}, {"triton": 1.5, "fla": None}]
     records = json.loads((tmp_path / "sweep.json").read_text())
     by = {(r["B"], r["implementation"]): r for r in records}
     assert by[(1, "kda_jax-triton")]["ratio_to_fla"] == 0.75
     assert by[(2, "kda_jax-triton")]["ms"] == 1.5 and by[(2, "kda_jax-triton")]["ratio_to_fla"] is None
-    assert by[(2, "fla")]["ms"] is None
-    assert records[0]["versions"]["fla"] == "0.0-test"
+    assert by[(2, "fla")]["ms"] is None and by[(1, "fla")]["host_ms"] == 0.1
+    assert all(r["gates"] == "mild" for r in records)
+    assert records[0]["versions"]["fla"] == "fla-child"
     assert records[0]["command"] == "python -m bench.forward --shapes 1,64,2;2,32,2"
     assert "0.750" in capsys.readouterr().out
 
 
-def test_implementations_run_in_impls_order(tmp_path, monkeypatch):
+def test_implementations_run_in_impls_order_over_every_gate_regime(tmp_path, monkeypatch):
     calls = []
 
-    def fla_rows(rows, kd, vd, mode):
-        calls.append("fla")
-        yield from ((i, 2.0) for i in range(len(rows)))
+    def peer_rows(library, cases, mode):
+        calls.append(library)
+        yield from ((i, {"ms": 2.0}) for i in range(len(cases)))
 
-    def runner(impl, arrays, cu):
-        calls.append(impl)
+    def runner(impl, inputs, cu, gates):
+        calls.append((impl, gates))
+        assert ("A_log" in inputs) == (gates == "layer")
         return lambda: 1.0
 
-    monkeypatch.setattr(sweep, "fla_stream", fla_rows)
-    sweep.run(_args(tmp_path, "triton,fla,xla"), [], module="bench.forward", runner=runner,
-              mode="forward")
-    # the XLA path's slow compiles come last: a run cut there keeps fla's rows
-    assert calls == ["triton", "triton", "fla", "xla", "xla"]
+    stream, _ = _fake_peers(peer_rows)
+    monkeypatch.setattr(sweep, "peer_stream", stream)
+    sweep.run(_args(tmp_path, "triton,fla,cudnn,xla", gates="safe,layer"), [],
+              module="bench.forward", runner=runner, mode="forward")
+    # the XLA path's slow compiles come last: a run cut there keeps the peers' rows;
+    # four cases: two regimes by two shapes
+    regimes = ["safe", "safe", "layer", "layer"]
+    assert calls == ([("triton", g) for g in regimes] + ["fla", "cudnn"]
+                     + [("xla", g) for g in regimes])
+    records = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(records) == 4 * 4
+    assert {(r["gates"], r["implementation"]) for r in records} == {
+        (g, i) for g in ("safe", "layer")
+        for i in ("kda_jax-triton", "fla", "cudnn", "kda_jax-xla")}
+    tri = [r for r in records if r["implementation"] == "kda_jax-triton"]
+    assert all(r["ratio_to_fla"] == 0.5 and r["ratio_to_cudnn"] == 0.5 for r in tri)
+
+
+def test_refused_and_unavailable_peer_rows_are_records(tmp_path, monkeypatch, capsys):
+    def peer_rows(library, cases, mode):
+        for i, (gates, *_) in enumerate(cases):
+            if library == "fla":
+                yield i, {"ms": 2.0}
+            elif gates == "layer":
+                yield i, {"ms": None, "refused": "NotImplementedError: KdaHopperCudaEngine: "
+                                                 "safe_gate/a_log/dt_bias are unsupported"}
+            else:
+                yield i, {"ms": 1.0}
+
+    stream, _ = _fake_peers(peer_rows)
+    monkeypatch.setattr(sweep, "peer_stream", stream)
+    sweep.run(_args(tmp_path, "triton,fla,cudnn", gates="mild,layer"), [],
+              module="bench.backward", runner=lambda *a: (lambda: 4.0), mode="backward")
+    records = json.loads((tmp_path / "sweep.json").read_text())
+    refused = [r for r in records if "refused" in r]
+    assert {(r["gates"], r["implementation"]) for r in refused} == {("layer", "cudnn")}
+    assert all(r["ms"] is None and "unsupported" in r["refused"] for r in refused)
+    tri = {(r["gates"], r["B"]): r for r in records if r["implementation"] == "kda_jax-triton"}
+    assert tri[("mild", 1)]["ratio_to_cudnn"] == 4.0 and tri[("layer", 1)]["ratio_to_cudnn"] is None
+    assert "refused" in capsys.readouterr().out
 
 
 def test_a_failing_implementation_is_a_record(tmp_path, monkeypatch, capsys):
-    def runner(impl, arrays, cu):
+    def runner(impl, inputs, cu, gates):
         def time_it():
             raise RuntimeError("out of resources")
         return time_it
@@ -66,51 +115,100 @@ def test_a_failing_implementation_is_a_record(tmp_path, monkeypatch, capsys):
                       runner=runner, mode="backward")
     assert times == [{"triton": None}, {"triton": None}]
     assert "out of resources" in capsys.readouterr().err
+    records = json.loads((tmp_path / "sweep.json").read_text())
+    assert all("out of resources" in r["error"] for r in records)
 
 
-def test_fla_stream_reads_the_child_line_by_line(monkeypatch, capsys):
+def test_forward_outputs_are_compared_with_the_triton_path(tmp_path, monkeypatch):
+    seen = {}
+
+    def peer_rows(library, cases, mode):
+        for i in range(len(cases)):
+            yield i, {"ms": 2.0, "o_rel_rms_to_triton": 1e-3}
+
+    def stream(child, cases, kd, vd, mode="forward", library="fla", references=None):
+        seen["references"] = [np.load(p) for p in references]
+        yield from peer_rows(library, cases, mode)
+
+    def runner(impl, inputs, cu, gates):
+        timer = lambda: 1.0
+        o = np.ones((2, 3), np.float32)
+        timer.output = lambda: o * (1.0 if impl == "triton" else 1.01)
+        return timer
+
+    monkeypatch.setattr(sweep, "peer_stream", stream)
+    sweep.run(_args(tmp_path, "triton,fla,xla"), [], module="bench.forward", runner=runner,
+              mode="forward")
+    assert [r.tolist() for r in seen["references"]] == [[[1.0] * 3] * 2] * 2
+    records = json.loads((tmp_path / "sweep.json").read_text())
+    by = {r["implementation"]: r for r in records if r["B"] == 1}
+    assert by["kda_jax-xla"]["o_rel_rms_to_triton"] == pytest.approx(0.01, rel=1e-4)
+    assert by["fla"]["o_rel_rms_to_triton"] == 1e-3
+    assert "o_rel_rms_to_triton" not in by["kda_jax-triton"]
+
+
+def test_peer_stream_builds_the_job_and_reads_the_child(monkeypatch, capsys):
     class Peer:
         def __init__(self):
-            self.versions = {"torch": "t", "fla": "f"}
+            self.versions = {"torch": "t", "fla": "f", "cudnn_frontend": None}
 
         def run(self, job):
             assert job["job"] == "sweep" and job["mode"] == "backward"
-            assert job["rows"] == [[1, 64, 2, 16, 16, None], [1, 64, 2, 16, 16, [0, 1, 64]]]
+            assert job["library"] == "cudnn" and job["references"] is None
+            assert job["rows"] == [[1, 64, 2, 16, 16, None, "safe"],
+                                   [1, 64, 2, 16, 16, [0, 1, 64], "layer"]]
             yield from self.messages
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
+        def close(self):
             pass
 
-    Peer.messages = [{"row": {"index": 0, "ms": 1.25}}, {"row": {"index": 1, "ms": 3.5}}]
+    Peer.messages = [{"row": {"index": 0, "ms": 1.25}},
+                     {"row": {"index": 1, "ms": None, "refused": "NotImplementedError: no"}}]
     monkeypatch.setattr(sweep, "FlaPeer", Peer)
-    rows = [(1, 64, 2, None), (1, 64, 2, np.array([0, 1, 64]))]
-    got = list(sweep.fla_stream(rows, 16, 16, "backward"))
-    assert got == [(0, 1.25), (1, 3.5), (None, {"torch": "t", "fla": "f"})]
+    cases = [("safe", 1, 64, 2, None), ("layer", 1, 64, 2, np.array([0, 1, 64]))]
+    child = sweep.Child()
+    got = list(sweep.peer_stream(child, cases, 16, 16, "backward", "cudnn"))
+    assert got == [(0, {"index": 0, "ms": 1.25}),
+                   (1, {"index": 1, "ms": None, "refused": "NotImplementedError: no"})]
+    assert child.versions == {"torch": "t", "fla": "f"}
 
     def dies(self, job):
         yield {"row": {"index": 0, "ms": 2.0}}
         raise sweep.FlaUnavailable("the fla child died: OutOfMemoryError: CUDA")
 
     monkeypatch.setattr(Peer, "run", dies)
-    assert list(sweep.fla_stream(rows, 16, 16, "backward")) == [(0, 2.0)]
+    got = list(sweep.peer_stream(child, cases, 16, 16, "backward", "cudnn"))
+    assert got[0] == (0, {"index": 0, "ms": 2.0})
+    assert got[1][0] == 1 and got[1][1]["ms"] is None and "OutOfMemoryError" in got[1][1]["error"]
+    assert child.peer is None  # started again by the next peer
     assert "OutOfMemoryError: CUDA" in capsys.readouterr().err
+
+    def no_child():
+        raise sweep.FlaUnavailable("the fla child did not start: No module named 'torch'")
+
+    monkeypatch.setattr(sweep, "FlaPeer", no_child)
+    got = list(sweep.peer_stream(sweep.Child(), cases, 16, 16, "forward", "fla"))
+    assert [i for i, _ in got] == [0, 1]
+    assert all(r["ms"] is None and "torch" in r["unavailable"] for _, r in got)
 
 
 def test_rows_carry_the_run_metadata(tmp_path, monkeypatch):
-    def fla_rows(rows, kd, vd, mode):
-        yield from ((i, 2.0) for i in range(len(rows)))
-        yield None, {"torch": "t-child", "fla": "f-child"}
-
-    monkeypatch.setattr(sweep, "fla_stream", fla_rows)
+    stream, _ = _fake_peers(lambda library, cases, mode: ((i, {"ms": 2.0})
+                                                          for i in range(len(cases))))
+    monkeypatch.setattr(sweep, "peer_stream", stream)
     sweep.run(_args(tmp_path), ["--shapes", "1,64,2;2,32,2"], module="bench.forward",
-              runner=lambda impl, arrays, cu: (lambda: 1.0), mode="forward")
+              runner=lambda impl, inputs, cu, gates: (lambda: 1.0), mode="forward")
     records = json.loads((tmp_path / "sweep.json").read_text())
     for r in records:
-        assert r["versions"]["torch"] == "t-child" and r["versions"]["fla"] == "f-child"
+        assert r["versions"]["torch"] == "t-child" and r["versions"]["fla"] == "fla-child"
         assert r["date"] and "commit" in r and "dirty" in r and "gpu" in r["machine"]
+
+
+def test_bad_gate_regimes_fail_before_anything_runs(tmp_path):
+    for bad in ("strong", "mild,mild", "mild,"):
+        with pytest.raises(ValueError, match="--gates"):
+            sweep.run(_args(tmp_path, gates=bad), [], module="bench.forward",
+                      runner=lambda *a: pytest.fail("ran"), mode="forward")
 
 
 def test_arch_variant_traces_under_that_archs_configs():
@@ -160,5 +258,5 @@ def test_a_bad_variant_fails_before_any_row_is_timed(tmp_path):
     with pytest.raises(ValueError, match="prepare_stages=9"):
         sweep.run(_args(tmp_path, "triton,triton:prepare_stages=9"), [], module="bench.forward",
                   mode="forward",
-                  runner=lambda impl, arrays, cu: timed.append(impl) or (lambda: 1.0))
+                  runner=lambda impl, inputs, cu, gates: timed.append(impl) or (lambda: 1.0))
     assert timed == []
