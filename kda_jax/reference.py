@@ -2,6 +2,14 @@
 
 Deliberately plain: one ``lax.scan`` over the tokens of each sequence, a Python
 loop over sequences, no chunking and no tricks. Slow, and meant to be.
+
+Non-finite inputs follow the one rule of every path (docs/kda.md section 6),
+stated here explicitly rather than left to IEEE arithmetic (which would poison
+only the value column of a +-inf in v, and give +-inf rather than NaN): the
+entries that :func:`kda_jax.transforms.sanitize` flags are replaced by 0, and a
+flag per sequence and value head, set from the first such token on, puts NaN
+on the outputs from that token on and on the final state; a non-finite q puts
+NaN on its own token's outputs.
 """
 
 from __future__ import annotations
@@ -17,21 +25,27 @@ from kda_jax.checks import check_call
 __all__ = ["naive_recurrent_kda"]
 
 
-def _recurrence(q, k, v, g, beta, s0, scale):
+def _recurrence(q, k, v, g, beta, poison, q_bad, s0, scale):
     """One sequence, one batch of heads: q, k, g ``[T, HV, K]``, v ``[T, HV, V]``,
-    beta ``[T, HV]``, s0 ``[HV, K, V]``. Returns o ``[T, HV, V]`` and the final state."""
+    beta, poison, q_bad ``[T, HV]``, s0 ``[HV, K, V]``. Returns o ``[T, HV, V]``
+    and the final state."""
 
-    def step(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs
+    def step(carry, xs):
+        s, flag = carry
+        q_t, k_t, v_t, g_t, b_t, bad_t, q_bad_t = xs
         s = jnp.exp(g_t)[:, :, None] * s
         kv = jnp.einsum("hk,hkv->hv", k_t, s, precision="highest")
         s = s + b_t[:, None, None] * k_t[:, :, None] * (v_t - kv)[:, None, :]
         o_t = scale * jnp.einsum("hk,hkv->hv", q_t, s, precision="highest")
-        return s, o_t
+        flag = flag | bad_t
+        o_t = jnp.where((flag | q_bad_t)[:, None], jnp.nan, o_t)
+        return (s, flag), o_t
 
-    xs = (q, k, v, g, beta)
-    s, o = jax.lax.scan(step, vma.like(s0, xs), xs)  # inside shard_map: the inputs' axes
-    return o, s
+    xs = (q, k, v, g, beta, poison, q_bad)
+    flag0 = jnp.zeros(poison.shape[1:], bool)
+    # Inside shard_map the carry varies over the inputs' axes.
+    (s, flag), o = jax.lax.scan(step, vma.like((s0, flag0), xs), xs)
+    return o, jnp.where(flag[:, None, None], jnp.nan, s)
 
 
 def naive_recurrent_kda(
@@ -81,6 +95,9 @@ def naive_recurrent_kda(
     scale = opts.scale
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
+    q, k, v, g, beta, poison, q_bad = transforms.sanitize(
+        q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
     q, k, g, beta = transforms.prepare_inputs(
         q, k, g, beta,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -96,7 +113,8 @@ def naive_recurrent_kda(
 
     if cu_seqlens is None:
         cu = np.arange(b + 1) * t
-        q, k, v, g, beta = (x.reshape((1, b * t) + x.shape[2:]) for x in (q, k, v, g, beta))
+        q, k, v, g, beta, poison, q_bad = (x.reshape((1, b * t) + x.shape[2:])
+                                           for x in (q, k, v, g, beta, poison, q_bad))
     else:
         cu = as_seq_bounds(cu_seqlens).cu_seqlens
     n = len(cu) - 1
@@ -115,7 +133,7 @@ def naive_recurrent_kda(
             finals.append(h0[i])
             continue
         o_i, s_i = _recurrence(
-            q[0, lo:hi], k[0, lo:hi], v[0, lo:hi], g[0, lo:hi], beta[0, lo:hi], h0[i], scale
+            *(x[0, lo:hi] for x in (q, k, v, g, beta, poison, q_bad)), h0[i], scale
         )
         outs.append(o_i)
         finals.append(s_i)

@@ -19,9 +19,10 @@ float32 beyond it) with ``exp(A_log)`` capped at e^88 (finite).
 Non-finite inputs (:func:`sanitize`): entries that would make the recurrence
 non-finite (NaN or +-inf in q, k, v; NaN or +inf in a log-decay g; NaN in a
 raw gate; NaN or +-inf in beta, NaN only before a sigmoid) are replaced by 0,
-and the tokens that held one are flagged so that the chunked paths can poison
-outputs and states from that token on, explicitly, instead of through
-0 * NaN products that would reach earlier tokens too.
+and the tokens that held one are flagged so that the XLA path (chunked and
+token by token) and the reference can poison outputs and states from that
+token on, explicitly, instead of through 0 * NaN products that would reach
+earlier tokens too (docs/kda.md section 6: one rule for every path).
 """
 
 from __future__ import annotations

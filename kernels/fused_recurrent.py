@@ -33,13 +33,30 @@ their contents.
 
 Every exponent is <= 0: the decay exp(g) (g <= 0, -inf included), and the
 in-kernel gate and sigmoid of kernels/gate.py, which never overflow.
+
+Non-finite inputs (docs/kda.md section 6): the entries that
+kda_jax.transforms.sanitize flags (a NaN or +-inf in k, v or beta, a NaN or
++inf in g; with USE_GATE a NaN in the raw gate, with BETA_SIGMOID a NaN in
+beta) are found on each token's raw values. Such an entry at token t puts NaN
+into token t's k (into its beta for a bad beta), so that the delta v - k @ S
+is NaN in every column and the state NaN in every entry from t on: the state
+is the program's poison flag. o from t on and the final state (a pool row
+included) are then NaN, since NaN * 0 is NaN and no decay or zero q clears
+it. Every V block of a head must see the same poison, so each program checks
+the whole v row, not only its block, read in K-wide pieces laid out as k is:
+the check folds into k and so into the reduction over K already taken. (An
+explicit flag reduced over K and V took the serving form on gfx950 from 126
+to 132 VGPRs, and its float32 form from 128 to 143.) A non-finite q puts NaN
+into its token's q: that o only. Poisoning g and beta entries are replaced
+by 0 first, so that exp() (the decay, the gate, the sigmoid) still sees only
+values <= 0.
 """
 
 import triton
 import triton.language as tl
 
 from .common import store_zero_rows
-from .gate import gate, sigmoid
+from .gate import bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, state_offsets, store_state_row
 from .varlen import seq_span
 
@@ -137,6 +154,8 @@ def _recurrent_sequence(
     p_b = beta + t0 * HV + i_hv
     p_v = v + (t0 * HV + i_hv) * V + o_v
     p_o = o + (t0 * HV + i_hv) * V + o_v
+    # The v row's base: the poison check reads the row in K-wide pieces.
+    p_vr = v + (t0 * HV + i_hv) * V
 
     # A software-pipelined loop: the next token's loads are issued before this
     # token's update, which hides the latency of loads that wait on bounds
@@ -147,6 +166,22 @@ def _recurrent_sequence(
         b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
         b_g = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)
         b_beta = tl.load(p_b).to(tl.float32)
+
+        # Poisoning entries, on the raw values (see the module docstring):
+        # any in k, g or the whole v row marks k, one in beta marks beta.
+        b_gbad = bad_log_decay(b_g, USE_GATE)
+        if BETA_SIGMOID:
+            b_bbad = b_beta != b_beta
+        else:
+            b_bbad = nonfinite(b_beta)
+        b_kbad = nonfinite(b_k) | b_gbad
+        for j in tl.static_range(0, V, BK):
+            b_vr = tl.load(p_vr + (o_k + j), mask=o_k + j < V, other=0.).to(tl.float32)
+            b_kbad = b_kbad | nonfinite(b_vr)
+        b_qbad = nonfinite(b_q)
+        b_g = tl.where(b_gbad, 0., b_g)
+        b_beta = tl.where(b_bbad, 0., b_beta)
+
         if USE_L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
@@ -156,6 +191,9 @@ def _recurrent_sequence(
         if BETA_SIGMOID:
             b_beta = sigmoid(b_beta)
         b_beta = b_beta * BETA_SCALE
+        b_k = tl.where(b_kbad, float("nan"), b_k)
+        b_beta = tl.where(b_bbad, float("nan"), b_beta)
+        b_q = tl.where(b_qbad, float("nan"), b_q)
 
         if UNIFORM:
             # Both reductions over K read the loaded state and share one pass
@@ -184,6 +222,7 @@ def _recurrent_sequence(
         p_b += HV
         p_v += HV * V
         p_o += HV * V
+        p_vr += HV * V
 
     store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
                     INDEXED_STATE)

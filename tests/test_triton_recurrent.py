@@ -8,6 +8,7 @@ glue (small shapes only: the interpreter is slow).
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -235,3 +236,94 @@ def test_too_many_sequences_for_the_grid_is_named():
     with pytest.raises(ValueError, match="at most 65535 .* got 65536 for 65536 sequences"):
         kda_jax.fused_recurrent_kda(*x.args(), cu_seqlens=np.arange(n + 1),
                                     implementation="triton")
+
+
+# --------------------------------------------------------------------------- #
+# Non-finite inputs (docs/kda.md section 6): the kernel puts NaN where the
+# reference does (tests/test_nonfinite.py holds the reference to the rule) in
+# every V block of a head, in both token-loop forms (UNIFORM: dense rows;
+# bounds loaded: varlen), and in a pool's rows.
+# --------------------------------------------------------------------------- #
+
+# (one V block: the block is the whole row; five blocks of 8 over V = 40: each
+# program must see the other blocks' columns of v)
+V_BLOCKS = [pytest.param(24, None, id="one-v-block"),
+            pytest.param(40, configs.RecurrentConfig(block_v=8, block_v_bounds=8),
+                         id="five-v-blocks")]
+
+
+def _spoil(x, at):
+    """x with a +inf in v's last column (head 1) at at[0], a NaN in k (head 0:
+    both value heads) at at[1], a -inf in q at at[2] and a +inf in beta
+    (head 0) at at[3]; each ``at`` entry is (row, token)."""
+    x.v[at[0] + (1, x.v.shape[-1] - 1)] = np.inf
+    x.k[at[1] + (0, 3)] = np.nan
+    x.q[at[2] + (0, 1)] = -np.inf
+    x.beta[at[3] + (0,)] = np.inf
+    return x
+
+
+def _check_rule(o, s, ro, rs, check_close):
+    """NaN (and other non-finite values) exactly where the reference has them,
+    close to it elsewhere."""
+    o, s, ro, rs = (np.asarray(a, np.float32) for a in (o, s, ro, rs))
+    for got, want, what in ((o, ro, "o"), (s, rs, "final_state")):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"NaN in {what}")
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=what)
+        ok = np.isfinite(want)
+        check_close(got[ok], want[ok], "float32", what)
+
+
+@pytest.mark.parametrize("vd, config", V_BLOCKS)
+@pytest.mark.parametrize("form", ["dense", "varlen"])
+def test_nonfinite_inputs_poison_the_whole_head(form, vd, config, check_close):
+    if form == "dense":  # B rows of one length: the UNIFORM kernel form
+        x = testing.make_inputs(21, B=4, T=5, H=1, HV=2, K=16, V=vd)
+        at, kw = [(0, 1), (1, 3), (2, 2), (3, 0)], {}
+    else:
+        cu = np.cumsum([0, 6, 0, 5, 1, 7])
+        x = testing.make_inputs(21, T=int(cu[-1]), H=1, HV=2, K=16, V=vd, N=5)
+        at, kw = [(0, 1), (0, 9), (0, 11), (0, 12)], dict(cu_seqlens=cu)
+    x = _spoil(x, at)
+    with configs.override_recurrent(config) if config else contextlib.nullcontext():
+        o, s = _run(x, kw, kda_jax.fused_recurrent_kda, implementation="triton")
+    ro, rs = _run(x, kw, reference.naive_recurrent_kda)
+    # The reference's NaNs are the rule's: v's head, every column, from the
+    # token to the end of its sequence (of 5 or 6 tokens), and its state.
+    ro_, rs_ = np.asarray(ro), np.asarray(rs)
+    row, t = at[0]
+    assert np.isnan(ro_[row, t:(5 if form == "dense" else 6), 1]).all()
+    assert np.isfinite(ro_[row, :t]).all()
+    assert np.isnan(rs_[row, 1]).all()
+    _check_rule(o, s, ro, rs, check_close)
+
+
+@pytest.mark.parametrize("form", ["dense", "varlen"])
+def test_poisoned_sequence_writes_nan_to_its_pool_row(form, check_close):
+    """Sequence 1 (a -inf in v's last column, head 0) and sequence 3 (a NaN in
+    g, head 1, its last token) write NaN to their pool rows' heads."""
+    slots, idx = 6, np.array([4, 0, 2, 5], np.int32)
+    if form == "dense":  # the UNIFORM kernel form
+        x = testing.make_inputs(22, B=4, T=5, H=1, HV=2, K=16, V=40)
+        x.v[1, 1, 0, 39] = -np.inf
+        x.g[3, 4, 1, 2] = np.nan
+        kw = {}
+    else:
+        cu = np.cumsum([0, 4, 3, 0, 5])
+        x = testing.make_inputs(22, T=int(cu[-1]), H=1, HV=2, K=16, V=40, N=4)
+        x.v[0, cu[1] + 1, 0, 39] = -np.inf
+        x.g[0, cu[3] + 4, 1, 2] = np.nan
+        kw = dict(cu_seqlens=cu)
+    rng = np.random.default_rng(3)
+    pool = (0.5 * rng.standard_normal((slots, 2, 16, 40))).astype(np.float32)
+    with configs.override_recurrent(configs.RecurrentConfig(block_v=8, block_v_bounds=8)):
+        o, new = kda_jax.fused_recurrent_kda(*x.args(), state_cache=pool, state_indices=idx,
+                                             implementation="triton", **kw)
+    ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=pool[idx],
+                                           output_final_state=True, **kw)
+    new = np.asarray(new)
+    assert np.isnan(new[0, 0]).all() and np.isfinite(new[0, 1]).all()  # sequence 1's row
+    assert np.isnan(new[5, 1]).all() and np.isfinite(new[5, 0]).all()  # sequence 3's row
+    _check_rule(o, new[idx], ro, rs, check_close)
+    for r in (1, 3):  # rows no sequence names
+        np.testing.assert_array_equal(new[r], pool[r])
