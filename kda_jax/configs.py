@@ -182,7 +182,7 @@ FORWARD_C32 = {
     # with the in-kernel transforms; the float32 state kernel takes 4 warps
     # (8 spill at K = 128).
     "sm90": ForwardConfig(
-        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=8, prepare_stages=1,
+        prepare_block_k=32, prepare_block_k_fp32=64, prepare_warps=8, prepare_stages=1,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
@@ -490,7 +490,7 @@ BACKWARD = {
     # the in-kernel gate's float32 intermediates up to K = 128 (at K = 256 the
     # float32 state passes spill over a KiB).
     "sm90": BackwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=3,
+        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
@@ -522,7 +522,7 @@ BACKWARD = {
     # float32 intermediates up to K = 128 (at 256 its float32 state passes
     # drop to one wave).
     "gfx942": BackwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=1,
@@ -563,7 +563,7 @@ BACKWARD_C32 = {
     # the in-kernel gate's float32 intermediates up to K = 64 (the float32
     # state passes spill 8-64 bytes at K = 100).
     "sm90": BackwardConfig(
-        prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=8, prepare_stages=1,
+        prepare_block_k=32, prepare_block_k_fp32=64, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,

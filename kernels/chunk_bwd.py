@@ -315,7 +315,7 @@ def kda_bwd_inter_kernel(
 @triton.jit
 def _products_bwd(b_q, b_k, b_p, b_b, b_dl, b_daqs, o_t, BT: tl.constexpr, DOT: tl.constexpr):
     """Backward of the forward's dyadic intra-chunk products
-    (chunk_fwd._decay_product; docs/kda.md section 3) over one K slice: at
+    (chunk_fwd._decay_products; docs/kda.md section 3) over one K slice: at
     level h, the pairs (i, j) with i in the second and j in the first h rows
     of one aligned 2h-row block, through the factors E[i] E[j] = e^(G_i - G_j)
     (common.level_factor, both <= 1 for any gates), four masked products per

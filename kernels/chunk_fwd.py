@@ -24,7 +24,7 @@ arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 The prepare kernel works on whole-chunk tiles [BT, BK]. Every decay factor
 of its intra-chunk products is e^(partial sum of log-decays) <= 1, by one
 dyadic scheme whose cost does not depend on the gate values
-(_decay_product): any g in [-inf, 0] (floored at GATE_FLOOR, kernels/gate.py)
+(_decay_products): any g in [-inf, 0] (floored at GATE_FLOOR, kernels/gate.py)
 gives finite factors accurate relative to themselves.
 """
 
@@ -84,32 +84,32 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _decay_product(b_out, b_a, b_b, b_p, o_t, BT: tl.constexpr, INCLUSIVE: tl.constexpr,
-                   DOT: tl.constexpr):
-    """b_out [BT, BT] plus a_i . b_j e^(G_i - G_j) for j < i (j <= i with
-    INCLUSIVE), for one K slice (b_a, b_b [BT, BK]; b_p [BT, BK] float64 the
-    chunk's cumsum of the log-decays).
+def _decay_products(b_aqk, b_akk, b_q, b_k, b_p, o_t, BT: tl.constexpr, DOT: tl.constexpr):
+    """(b_aqk + q_i . k_j e^(G_i - G_j) for j <= i, b_akk + k_i . k_j
+    e^(G_i - G_j) for j < i) [BT, BT], for one K slice (b_q, b_k [BT, BK];
+    b_p [BT, BK] float64 the chunk's cumsum of the log-decays).
 
     Dyadic (docs/kda.md section 3): level h (BT / 2, ..., 2, 1) takes the
     pairs with i in the second and j in the first h rows of one aligned
     2h-row block, through factors e^(G_i - G_j) = E[i] E[j] that are both <= 1
     whatever the gates (common.level_factor): nothing overflows, and a factor
     underflows only where the product is below float32's range too. One
-    exponential tile per level serves both sides, and one masked matrix
-    product per level gives its pairs; every pair i > j belongs to exactly
-    one level, and the cost does not depend on the gate values. The levels
-    are a loop, not unrolled: one level's tiles are live at a time."""
+    exponential tile per level serves both sides and both products (they
+    share the column operand k E), and one masked matrix product per level
+    and product gives its pairs; every pair i > j belongs to exactly one
+    level, and the cost does not depend on the gate values. The levels are a
+    loop, not unrolled: one level's tiles are live at a time."""
     h = BT // 2
     while h > 0:
         b_second, b_e = level_factor(b_p, o_t, h)
-        b_x = tl.where(b_second, b_a * b_e, 0.)
-        b_y = tl.where(b_second, 0., b_b * b_e)
+        b_ke = b_k * b_e
+        b_y = tl.trans(tl.where(b_second, 0., b_ke))
         m_blk = (o_t[:, None] // (2 * h)) == (o_t[None, :] // (2 * h))
-        b_out += tl.where(m_blk, dot(b_x, tl.trans(b_y), DOT), 0.)
+        b_aqk += tl.where(m_blk, dot(tl.where(b_second, b_q * b_e, 0.), b_y, DOT), 0.)
+        b_akk += tl.where(m_blk, dot(tl.where(b_second, b_ke, 0.), b_y, DOT), 0.)
         h = h // 2
-    if INCLUSIVE:
-        b_out += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_a * b_b, axis=1)[:, None], 0.)
-    return b_out
+    b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.)
+    return b_aqk, b_akk
 
 
 # Diagonal block of the blocked inverse: a sweep of BB - 1 steps inverts all of
@@ -210,16 +210,17 @@ def kda_fwd_prepare_kernel(
     if USE_GATE and (HAS_A_LOG or not HAS_LOWER_BOUND):
         b_alog = tl.load(A_log + i_hv).to(tl.float32)
 
-    # Pass 1 over K slices: the log-decays, exp(G_last), Aqk, q*exp(G)*scale
-    # and k*exp(G_last - G). Aqk and Akk get a pass each, so only one
-    # [BT, BT] accumulator is live at a time (registers, not loads, bound
-    # this kernel); each pass recomputes the log-decays from g (a reload, not
-    # a scratch round trip). G is their cumsum, taken in float64 so that
-    # every exponent that is a difference of G is exact before its one
-    # rounding to float32 (_decay_product), however deep the chunk's decay.
+    # Pass 1 over K slices: the log-decays, exp(G_last), Aqk and Akk, and the
+    # rows q*exp(G)*scale, k*exp(G_last - G) and beta*k*exp(G) (into w's rows:
+    # pass 3 reads them back). G is the log-decays' cumsum, taken in float64
+    # so that every exponent that is a difference of G is exact before its
+    # one rounding to float32 (common.level_factor), however deep the chunk's
+    # decay. Non-finite entries of k are zeroed like the others (_tile_checked):
+    # the rows from the first poisoning row on are NaN'ed at the end.
     p_hk = i_hv * K
     p_gl = gl + (i_c.to(tl.int64) * HV + i_hv) * K
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
@@ -238,36 +239,20 @@ def kda_fwd_prepare_kernel(
         tl.store(p_gl + o_k, tl.exp(tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), axis=0)),
                  mask=m_k)
         b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
-        # k unchecked here: a non-finite k_j reaches Aqk's column j only
-        # (each level's pairs are taken by a select), below the diagonal,
-        # and kt's row j (the state after the chunk, poisoned below); pass 2
-        # checks it.
-        b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_sk[:, None]
-        b_aqk = _decay_product(b_aqk, b_q, b_k, b_p, o_t, BT, True, DOT_A)
-        tl.store(qg + p_tk, (b_q * tl.exp(b_G) * SCALE).to(qg.dtype.element_ty), mask=m_tk)
+        b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
+        b_poison = b_poison | b_bad
+        b_k = b_k * b_sk[:, None]
+        b_aqk, b_akk = _decay_products(b_aqk, b_akk, b_q, b_k, b_p, o_t, BT, DOT_A)
+        b_eG = tl.exp(b_G)
+        tl.store(qg + p_tk, (b_q * b_eG * SCALE).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kt + p_tk, (b_k * tl.exp(b_sfx)).to(kt.dtype.element_ty), mask=m_tk)
+        tl.store(w + p_tk, (b_k * b_b[:, None] * b_eG).to(w.dtype.element_ty), mask=m_tk)
     # Aqk, scaled, zero above the diagonal.
     b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk * SCALE, 0.)
     tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
              b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
-    # Pass 2: Akk, then X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
-    # beta * k * exp(G) goes to w's rows now, and pass 3 reads it back: one G
-    # and one k tile fewer per K slice.
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    for ks in range(0, K, BK):
-        o_k = ks + tl.arange(0, BK)
-        m_k = o_k < K
-        p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
-        b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
-                                 USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND)
-        b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
-        b_poison = b_poison | b_bad
-        b_k = b_k * b_sk[:, None]
-        b_p = tl.cumsum(b_g.to(tl.float64), axis=0)
-        b_akk = _decay_product(b_akk, b_k, b_k, b_p, o_t, BT, False, DOT_A)
-        tl.store(w + p_tk, (b_k * b_b[:, None] * tl.exp(b_p.to(tl.float32))).to(
-            w.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+    # X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
     b_x = _unit_lower_inverse(b_l, o_t, BT, DOT_INV)
     if STORE_X:
@@ -276,7 +261,7 @@ def kda_fwd_prepare_kernel(
     if DOT_WU == 3:
         b_x = b_x.to(tl.bfloat16).to(tl.float32)  # rounded once, not per product
 
-    # Pass 3: w = X (beta * k * exp(G)), from the rows pass 2 stored (the
+    # Pass 2: w = X (beta * k * exp(G)), from the rows pass 1 stored (the
     # barrier makes every thread's stores visible to the whole program).
     tl.debug_barrier()
     for ks in range(0, K, BK):
@@ -287,7 +272,7 @@ def kda_fwd_prepare_kernel(
         tl.debug_barrier()  # every read of the slice before any write over it
         tl.store(w + p_tk, dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty), mask=m_tk)
 
-    # Pass 4: u = X (beta * v).
+    # Pass 3: u = X (beta * v).
     for vs in range(0, V, BV):
         o_v = vs + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -304,7 +289,7 @@ def kda_fwd_prepare_kernel(
     b_first = tl.min(tl.where(b_poison & m_t, o_t, BT), axis=0)
     b_nan_rows = (o_t >= b_first) & m_t
     if tl.max(b_nan_rows.to(tl.int32), axis=0) > 0:
-        tl.debug_barrier()  # after every store of passes 0 and 1
+        tl.debug_barrier()  # after every store of pass 1
         tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
                  tl.full([BT, BT], float("nan"), tl.float32).to(aqk.dtype.element_ty),
                  mask=b_nan_rows[:, None])

@@ -141,11 +141,11 @@ def _regime_inputs(regime, shape):
 def test_products_do_not_depend_on_the_gates(monkeypatch):
     """The forward's prepare kernel and the backward's intra kernel run the
     same products for every gate regime (one dyadic path): per chunk and
-    head, two _decay_product calls per K slice in the backward's recompute (the
-    gradient alone is asked for, so the forward's own launch is dead code) and
-    one _products_bwd call per K block."""
+    head, one _decay_products call per K slice in the backward's recompute
+    (the gradient alone is asked for, so the forward's own launch is dead
+    code) and one _products_bwd call per K block."""
     calls = {}
-    _spy(monkeypatch, chunk_fwd, "_decay_product", calls)
+    _spy(monkeypatch, chunk_fwd, "_decay_products", calls)
     _spy(monkeypatch, chunk_bwd, "_products_bwd", calls)
     shape = dict(SHAPE, T=128)  # two full chunks per head, K = 32: one K slice
     counts = {}
@@ -157,7 +157,7 @@ def test_products_do_not_depend_on_the_gates(monkeypatch):
         )(params)
         counts[regime] = dict(calls)
     programs = 2 * shape["H"]  # chunks x heads
-    expected = {"_decay_product": 2 * programs, "_products_bwd": programs}
+    expected = {"_decay_products": programs, "_products_bwd": programs}
     assert all(c == expected for c in counts.values()), counts
 
 
