@@ -62,6 +62,23 @@ def _f32(params):
     return {n: jnp.asarray(p, jnp.float32) for n, p in params.items()}
 
 
+def _grads_and_reference(params, kw, shape, seed):
+    """(Triton's, the float32 reference's) gradients of a random weighting of
+    o and the final state, for every input in params."""
+    rng = np.random.default_rng(seed)
+    w_o = rng.standard_normal((1, shape["T"], shape["H"], shape["V"])).astype(np.float32)
+    w_s = rng.standard_normal((1, shape["H"], shape["K"], shape["V"])).astype(np.float32)
+
+    def grads(fn, p, **extra):
+        def loss(p):
+            o, s = _call(fn, p, kw, **extra)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
+        return jax.jit(jax.grad(loss))(p)
+
+    return (grads(kda_jax.chunk_kda, params, implementation="triton"),
+            grads(kda_jax.naive_recurrent_kda, _f32(params)))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["gate", "plain"])
 def test_forward_matches_reference(kind, dtype, check_close):
@@ -76,20 +93,7 @@ def test_forward_matches_reference(kind, dtype, check_close):
 @pytest.mark.parametrize("kind,dtype", [("gate", "float32"), ("plain", "bfloat16")])
 def test_gradients_match_reference(kind, dtype, check_rel_rms):
     x, kw = _case(kind, jnp.dtype(dtype), GRAD_SHAPE)
-    params = _params(x, kw)
-    rng = np.random.default_rng(1)
-    s = GRAD_SHAPE
-    w_o = rng.standard_normal((1, s["T"], s["H"], s["V"])).astype(np.float32)
-    w_s = rng.standard_normal((1, s["H"], s["K"], s["V"])).astype(np.float32)
-
-    def grads(fn, p, **extra):
-        def loss(p):
-            o, s = _call(fn, p, kw, **extra)
-            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
-        return jax.jit(jax.grad(loss))(p)
-
-    ref = grads(kda_jax.naive_recurrent_kda, _f32(params))
-    got = grads(kda_jax.chunk_kda, params, implementation="triton")
+    got, ref = _grads_and_reference(_params(x, kw), kw, GRAD_SHAPE, seed=1)
     for n, r in ref.items():
         tol = GRAD_TOL if dtype == "float32" else GRAD_TOL_BF16[n]
         check_rel_rms(got[n], r, tol, f"d{n}")
@@ -192,18 +196,7 @@ def test_regimes_gradients_match_reference(regime, check_rel_rms):
     bars."""
     shape = dict(SHAPE, T=100, K=32 if interpret_mode() else 80)
     params, kw = _regime_inputs(regime, shape)
-    rng = np.random.default_rng(4)
-    w_o = rng.standard_normal((1, shape["T"], shape["H"], shape["V"])).astype(np.float32)
-    w_s = rng.standard_normal((1, shape["H"], shape["K"], shape["V"])).astype(np.float32)
-
-    def grads(fn, p, **extra):
-        def loss(p):
-            o, s = _call(fn, p, kw, **extra)
-            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
-        return jax.jit(jax.grad(loss))(p)
-
-    ref = grads(kda_jax.naive_recurrent_kda, _f32(params))
-    got = grads(kda_jax.chunk_kda, params, implementation="triton")
+    got, ref = _grads_and_reference(params, kw, shape, seed=4)
     for n, r in ref.items():
         check_rel_rms(got[n], r, GRAD_TOL_BF16[n], f"d{n} ({regime})")
 
