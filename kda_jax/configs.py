@@ -177,12 +177,11 @@ FORWARD = {
         state_block_v_fp32=32, state_warps_fp32=4, state_stages_fp32=2),
 }
 FORWARD_C32 = {
-    # 64-wide K slices at 8 warps: ptxas caps the prepare kernel's registers
-    # lower at chunk 32, narrower slices spill at K = 100, and 4 warps spill
-    # with the in-kernel transforms; the float32 state kernel takes 4 warps
-    # (8 spill at K = 128).
+    # 32-wide K slices at 8 warps (4 warps or 64-wide float32 slices spill
+    # with the dyadic products' float64 cumsum); the float32 state kernel
+    # takes 4 warps (8 spill at K = 128).
     "sm90": ForwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=64, prepare_warps=8, prepare_stages=1,
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
@@ -557,13 +556,13 @@ BACKWARD = {
         gate_fp32_max_k=256),
 }
 BACKWARD_C32 = {
-    # 64-wide recompute slices at 8 warps (4 spill with the float64 cumsum)
-    # and 16-wide inter blocks, where the chunk-64 entry spills under ptxas's
-    # register caps at chunk 32; dS in one tile;
-    # the in-kernel gate's float32 intermediates up to K = 64 (the float32
-    # state passes spill 8-64 bytes at K = 100).
+    # 32-wide recompute slices at 8 warps (4 warps or 64-wide float32 slices
+    # spill with the float64 cumsum) and 16-wide inter blocks, where the
+    # chunk-64 entry spills under ptxas's register caps at chunk 32; dS in
+    # one tile; the in-kernel gate's float32 intermediates up to K = 64 (the
+    # float32 state passes spill 8-64 bytes at K = 100).
     "sm90": BackwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=64, prepare_warps=8, prepare_stages=1,
+        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
