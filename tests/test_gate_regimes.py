@@ -111,7 +111,7 @@ def _spy(monkeypatch, module, name, calls):
     monkeypatch.setattr(module, name, counted)
 
 
-def _regime_inputs(regime, shape):
+def _regime_inputs(regime, shape, dtype=jnp.bfloat16, **extra):
     """(params, chunk_kda keyword arguments) for a gate regime: "mild" (fla's
     benchmark gates), "safe" (the lower_bound -5 gate, precomputed),
     "layer" (that gate in the kernel, with the L2 norm and beta sigmoid),
@@ -119,8 +119,8 @@ def _regime_inputs(regime, shape):
     "floor" (log-decays of -1000: floored, exactly zero decay)."""
     rng = np.random.default_rng(5)
     raw = regime in ("layer", "softplus")
-    x = make_inputs(13, dtype=jnp.bfloat16, raw_gate=raw, normalized_k=not raw,
-                    beta_logits=regime == "layer", **shape)
+    x = make_inputs(13, dtype=dtype, raw_gate=raw, normalized_k=not raw,
+                    beta_logits=regime == "layer", **shape, **extra)
     hv, kd = x.g.shape[2], x.g.shape[3]
     a_log = np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32)
     dt_bias = rng.uniform(-0.5, 0.5, (hv, kd)).astype(np.float32)
@@ -186,6 +186,26 @@ def test_regimes_varlen_match_reference(regime, check_close):
     ro, rs = _call(kda_jax.naive_recurrent_kda, _f32(params), kw, cu_seqlens=bounds)
     check_close(o, ro, "bfloat16", "o")
     check_close(s, rs, "bfloat16", "final_state")
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("regime", ["safe", "layer"])
+def test_regimes_awkward_shapes(regime, chunk, check_close):
+    """float32 inputs at the model gates with two value heads per q/k head,
+    K = 60 and V = 40 (masked K slices and V blocks), V-first states and
+    three sequences (one of them empty): o and the final states within the
+    float32 tolerance of the reference."""
+    lengths = [75, 0, 76]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    shape = dict(B=1, T=int(cu[-1]), H=1, HV=2, K=60, V=40, N=len(lengths))
+    params, kw = _regime_inputs(regime, shape, dtype=jnp.float32, state_v_first=True)
+    kw = dict(kw, state_v_first=True)
+    bounds = kda_jax.SeqBounds(cu)
+    o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton", cu_seqlens=bounds,
+                 chunk_size=chunk)
+    ro, rs = _call(kda_jax.naive_recurrent_kda, params, kw, cu_seqlens=bounds)
+    check_close(o, ro, "float32", "o")
+    check_close(s, rs, "float32", "final_state")
 
 
 @pytest.mark.parametrize("regime", ["mild", "safe", "layer", "softplus", "floor"])
