@@ -33,6 +33,9 @@
 #   GATES       the sweeps' gate regimes (bench.inputs; default "mild safe layer"): one JSON
 #               per benchmark holds them all, each row with its "gates"
 #   LAYER_GATES bench.layer's gate forms (default "softplus safe")
+#   BASELINE    optional: a kda_jax source tree (`git archive REV kda_jax kernels | tar -x -C
+#               DIR`, DIR named by REV, carried to the machine) whose Triton path the forward
+#               and backward sweeps also time, as implementation "tree:DIR" (bench/sweep.py)
 #   SHAPES      "B,T,H;B,T,H": these rows instead of the dense sweep (forward, backward)
 #   ROUNDS      bench.decode's alternating rounds (default 6)
 #   TIMEOUT     seconds per stage (default 900). fla's first call per shape autotunes for
@@ -65,7 +68,7 @@ pack_autotune() {
 }
 trap pack_autotune EXIT
 limit=${TIMEOUT:-900}
-impls=${IMPLS:-triton,fla,cudnn}
+impls=${IMPLS:-triton,fla,cudnn}${BASELINE:+,tree:$BASELINE}
 gates=${GATES:-mild safe layer}
 gates=${gates// /,}
 layer_gates=${LAYER_GATES:-softplus safe}

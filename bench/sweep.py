@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -53,11 +55,24 @@ def add_arguments(p):
 # "segment.FIELD=VALUE": of its BackwardConfig and SegmentConfig).
 SEGMENT_VARIANTS = ("triton-noseg", "triton-seq")
 
+# "tree:PATH" times the Triton path of another kda_jax source tree (PATH holds
+# kda_jax/ with its kernels, e.g. from `git archive REV kda_jax kernels | tar -x
+# -C PATH`) in the same run: the same benchmark module in a child process with
+# PATH first on sys.path (two kda_jax versions cannot share a process). It
+# keeps a replaced kernel design comparable with its successor in one run.
+TREE = "tree:"
+
 
 def implementation(impl: str, segment_chunks: int | None = None):
     """(kda_jax implementation name, context manager to trace it under)."""
     from kda_jax import configs
 
+    if impl.startswith(TREE):
+        path = impl[len(TREE):]
+        if not os.path.isfile(os.path.join(path, "kda_jax", "__init__.py")):
+            raise ValueError(f"{impl!r}: {path!r} holds no kda_jax/ source tree (make one with "
+                             "`git archive REV kda_jax kernels | tar -x -C PATH`)")
+        return impl, contextlib.nullcontext()
     if impl.startswith("triton@"):
         return "triton", _arch_configs(impl.split("@", 1)[1])
     if impl.startswith("triton:"):
@@ -278,6 +293,12 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
                     save()
                 continue
             print(f"{impl}:", flush=True)
+            if impl.startswith(TREE):
+                for i, row in enumerate(tree_rows(impl[len(TREE):], module, args, cases)):
+                    results[i][impl] = row
+                    print(_line(cases[i], results[i], impls, roofs[i]), flush=True)
+                save()
+                continue
             for i, (gates, b, t, h, cu) in enumerate(cases):
                 try:
                     name, traced_under = implementation(impl, getattr(args, "segment_chunks", None))
@@ -294,6 +315,50 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
         child.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return [{impl: row[impl]["ms"] for impl in impls} for row in results]
+
+
+def tree_rows(path: str, module: str, args, cases) -> list[dict]:
+    """The rows of ``cases`` timed by another source tree's Triton path (TREE): the
+    benchmark ``module`` in a child process with ``path`` first on sys.path, the same
+    rows and gate regimes. Each row {"ms", "tree_commit"} (the tree's own record of its
+    commit, or None), or {"ms": None, "error"} where the child gave none."""
+    out = tempfile.mktemp(suffix=".json", prefix="kda-bench-tree-")
+    # The tree goes before sys.path's first entry (the working directory, which may hold
+    # this checkout's kda_jax); the benchmark modules still come from this checkout.
+    start = (f"import runpy, sys; sys.path.insert(0, {os.path.abspath(path)!r}); "
+             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    cmd = [sys.executable, "-c", start, "--impls", "triton", "--gates",
+           ",".join(gates_of(args)), "--head-dim", str(args.head_dim), "--json", out]
+    if args.varlen:
+        cmd += ["--varlen", args.varlen, "--heads", str(args.heads)]
+    elif args.shapes:
+        cmd += ["--shapes", args.shapes]
+    paths = [os.getcwd(), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        with open(out) as f:
+            records = json.load(f)
+        os.remove(out)
+    except (OSError, ValueError):
+        records = []
+    commit = _tree_commit(path)
+    timed = {(r["gates"], r["B"], r["T"], r["H"]): r for r in records}
+    rows = []
+    for gates, b, t, h, _ in cases:
+        r = timed.get((gates, b, t, h))
+        if r is not None and r.get("ms"):
+            rows.append({"ms": r["ms"], "tree_commit": commit})
+        else:
+            why = (r or {}).get("error") or (proc.stderr or "no row")[-400:]
+            rows.append({"ms": None, "error": why, "tree_commit": commit})
+    return rows
+
+
+def _tree_commit(path: str):
+    """The commit a TREE directory names (its basename when that is a hex revision)."""
+    name = os.path.basename(os.path.normpath(path))
+    return name if re.fullmatch(r"[0-9a-f]{7,40}", name) else None
 
 
 def _agreement(impl, i, timer, references, results, scratch, n_impls):

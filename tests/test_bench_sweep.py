@@ -260,3 +260,43 @@ def test_a_bad_variant_fails_before_any_row_is_timed(tmp_path):
                   mode="forward",
                   runner=lambda impl, inputs, cu, gates: timed.append(impl) or (lambda: 1.0))
     assert timed == []
+
+
+def _tree(tmp_path, name, broken=False):
+    """A copy of this checkout's kda_jax (kernels included) under tmp_path/name."""
+    import pathlib
+    import shutil
+
+    import kda_jax
+
+    root = tmp_path / name
+    shutil.copytree(pathlib.Path(kda_jax.__file__).parent, root / "kda_jax",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    if broken:
+        (root / "kda_jax" / "__init__.py").write_text("raise ImportError('the tree was taken')\n")
+    return root
+
+
+def test_a_tree_is_timed_in_a_child_with_its_own_kda_jax(tmp_path):
+    """tree:PATH runs the benchmark module in a child whose kda_jax is PATH's:
+    a working copy gives times (and the commit its directory names), a tree
+    whose kda_jax fails to import gives error rows, not this process's times."""
+    good, bad = _tree(tmp_path, "0123abc"), _tree(tmp_path, "broken", broken=True)
+    args = argparse.Namespace(impls=f"tree:{good},tree:{bad}", varlen=None, heads=2, head_dim=16,
+                              gates="mild,safe", shapes="1,40,1", json=str(tmp_path / "t.json"))
+    times = sweep.run(args, [], module="bench.forward", mode="forward",
+                      runner=lambda *a: pytest.fail("a tree is never timed in this process"))
+    assert [t[f"tree:{good}"] > 0 for t in times] == [True, True]
+    assert [t[f"tree:{bad}"] for t in times] == [None, None]
+    records = json.load(open(args.json))
+    by_impl = {}
+    for r in records:
+        by_impl.setdefault(r["implementation"], []).append(r)
+    assert [r["gates"] for r in by_impl[f"kda_jax-tree:{good}"]] == ["mild", "safe"]
+    assert {r["tree_commit"] for r in by_impl[f"kda_jax-tree:{good}"]} == {"0123abc"}
+    assert all("the tree was taken" in r["error"] for r in by_impl[f"kda_jax-tree:{bad}"])
+
+
+def test_a_missing_tree_fails_before_any_row_is_timed(tmp_path):
+    with pytest.raises(ValueError, match="holds no kda_jax"):
+        sweep.implementation(f"tree:{tmp_path}")
