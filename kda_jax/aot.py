@@ -293,7 +293,9 @@ def _signature(fn, function: str, in_dtype: str, work: str, constexprs: dict):
     """(signature, attrs) for ASTSource from the kernel's signature table
     (kda_jax.kernels.signatures), checked against its parameters; ``in_dtype``
     and ``work`` are Triton type names ("bf16", "fp32") of the "in" and "work"
-    arrays. A function of its arguments only: :func:`_binary_key` relies on it."""
+    arrays; "state" arrays are compiled as float32 (a 16-bit pool changes only the
+    state rows' load and store). A function of its arguments only:
+    :func:`_binary_key` relies on it."""
     from kda_jax.kernels.signatures import SIGNATURES
     from kda_jax.triton.launch import runtime_params
 
@@ -315,7 +317,7 @@ def _signature(fn, function: str, in_dtype: str, work: str, constexprs: dict):
             signature[p.name] = "constexpr"
             continue
         kind = kinds[p.name]
-        ty = {"in": "*" + in_dtype, "work": "*" + work}.get(kind, kind)
+        ty = {"in": "*" + in_dtype, "work": "*" + work, "state": "*fp32"}.get(kind, kind)
         signature[p.name] = ty
         # jax-triton 0.3.1: arrays are assumed 16-byte aligned, scalars unspecialized.
         attrs[(i,)] = [["tt.divisibility", 16]] if ty.startswith("*") else []

@@ -185,8 +185,10 @@ _ARGS_DOC = """
         are ``[1, bucket.max_tokens, ...]`` (rows past the real tokens get
         o = 0 and touch no state) and N = ``bucket.max_seqs`` (slots past the
         real sequences are empty; their pool indices are ignored).
-      state_cache: a paged state pool (serving), float32 ``[slots, HV, K, V]``
-        (``[slots, HV, V, K]`` with ``state_v_first``). Sequence n starts from
+      state_cache: a paged state pool (serving), ``[slots, HV, K, V]``
+        (``[slots, HV, V, K]`` with ``state_v_first``), float32, bfloat16 or
+        float16 (read into float32, computed in float32, each written row
+        rounded once to the pool's dtype). Sequence n starts from
         row ``state_indices[n]`` and its final state is written back to that
         row; the call returns ``(o, new_state_cache)``, with every row no
         sequence names bit-identical. Not together with ``initial_state`` or

@@ -318,11 +318,8 @@ def _check_cache(state_cache, dims: _Dims, v_first: bool) -> int:
             f"state_cache must have shape (slots, {', '.join(map(str, row))}) {layout} with "
             f"slots >= 1, got {tuple(state_cache.shape)}"
         )
-    if np.dtype(state_cache.dtype) != np.float32:
-        raise TypeError(
-            f"state_cache must be float32 (states are kept and written in float32), got dtype "
-            f"{np.dtype(state_cache.dtype)}; allocate the pool with dtype=float32"
-        )
+    # Its dtype is any of FLOAT_DTYPES (_array): a 16-bit pool is read into
+    # float32 and rounded once on write-back.
     return int(state_cache.shape[0])
 
 

@@ -1,5 +1,6 @@
 """The paged state pool of serving: states read from and written to rows of one
-float32 buffer by index.
+buffer by index (float32, or bfloat16 / float16: read into float32, computed in
+float32, rounded once to the pool's dtype on write-back).
 
 A call with a pool computes each sequence from ``cache[indices[n]]`` (zeros
 where ``has_initial_state[n]`` is False or the index is negative) and writes its
@@ -26,7 +27,8 @@ __all__ = ["StatePool", "narrow_indices", "read_index", "read_states", "write_st
 class StatePool(NamedTuple):
     """A pool and how a call's sequences map onto it (a pytree of arrays).
 
-    cache: float32 ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` when V-first).
+    cache: ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` when V-first), float32,
+      bfloat16 or float16.
     indices: int32 ``[N]``, one row per sequence; negative = padding slot.
     has_initial_state: bool ``[N]``, or None (every sequence reads its row).
     """
@@ -75,7 +77,7 @@ def read_states(pool: StatePool) -> jax.Array:
     where a sequence reads no row. A row not read is never touched (it may hold NaN)."""
     slots = pool.cache.shape[0]
     rows = _out_of_range(read_index(pool), slots)
-    return jnp.take(pool.cache, rows, axis=0, mode="fill", fill_value=0)
+    return jnp.take(pool.cache, rows, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
 
 
 def write_states(pool: StatePool, finals: jax.Array) -> jax.Array:

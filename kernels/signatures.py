@@ -7,6 +7,8 @@ Each argument has a kind, which fixes its type:
   "in"     pointer to the inputs' dtype (q, k, v, g, beta; o; the cotangent do)
   "work"   pointer to the intermediates' dtype (kda_jax.triton.forward.work_dtype)
   "*fp32"  pointer to float32
+  "state"  pointer to a state buffer: float32, or a pool's bfloat16 / float16
+           (kernels/state_io.py loads into float32 and rounds on the store)
   "*i32"   pointer to int32
   "i32"    integer scalar
 Inputs come first, then one pointer per output (jax-triton's order).
@@ -15,8 +17,8 @@ Plain data: importing this module imports neither Triton nor JAX.
 
 from typing import NamedTuple
 
-IN, WORK, F32, I32_PTR, I32 = "in", "work", "*fp32", "*i32", "i32"
-KINDS = (IN, WORK, F32, I32_PTR, I32)
+IN, WORK, F32, STATE, I32_PTR, I32 = "in", "work", "*fp32", "state", "*i32", "i32"
+KINDS = (IN, WORK, F32, STATE, I32_PTR, I32)
 
 
 class Signature(NamedTuple):
@@ -49,18 +51,18 @@ SIGNATURES = {
     "kda_fwd_state_output_kernel": Signature(
         "chunk_fwd",
         inputs=(("w", WORK), ("u", WORK), ("qg", WORK), ("kt", WORK), ("aqk", WORK),
-                ("gl", F32), ("h0", F32), ("read_idx", I32_PTR), ("write_idx", I32_PTR))
+                ("gl", F32), ("h0", STATE), ("read_idx", I32_PTR), ("write_idx", I32_PTR))
         + _META_SEQS + (("n_seqs", I32), ("n_tokens", I32), ("n_chunk_rows", I32),
                         ("slots", I32)),
-        outputs=(("o", IN), ("ht", F32)),
+        outputs=(("o", IN), ("ht", STATE)),
     ),
     "kda_fused_recurrent_kernel": Signature(
         "fused_recurrent",
         inputs=(("q", IN), ("k", IN), ("v", IN), ("g", IN), ("beta", IN), ("A_log", F32),
-                ("dt_bias", F32), ("h0", F32), ("read_idx", I32_PTR), ("write_idx", I32_PTR),
+                ("dt_bias", F32), ("h0", STATE), ("read_idx", I32_PTR), ("write_idx", I32_PTR),
                 ("meta", I32_PTR), ("off_cu", I32), ("n_seqs", I32), ("n_tokens", I32),
                 ("slots", I32)),
-        outputs=(("o", IN), ("ht", F32)),
+        outputs=(("o", IN), ("ht", STATE)),
     ),
     # The state chain over segments (kernels/segments.py).
     "kda_segment_map_kernel": Signature(

@@ -65,19 +65,38 @@ def load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr, K: t
 
 
 @triton.jit
+def _rounded(b_h, DT: tl.constexpr):
+    """The float32 tile b_h in the state buffer's dtype DT, rounded to nearest
+    even. For bfloat16 the rounding is written out on the bits (NaN kept
+    NaN), since Triton's interpreter truncates in its float32 -> bfloat16
+    cast: the same bits on every backend as XLA's rounding of a float32
+    state."""
+    if DT == tl.bfloat16:
+        b_u = b_h.to(tl.uint32, bitcast=True)
+        b_u = b_u + ((b_u >> 16) & 1) + 0x7FFF
+        b_r = (b_u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(b_h != b_h, b_h.to(tl.bfloat16), b_r)
+    else:
+        return b_h.to(DT)
+
+
+@triton.jit
 def store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV: tl.constexpr, K: tl.constexpr,
                     V: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                     INDEXED_STATE: tl.constexpr):
     """The final state tile into row ``i_w``, already known: a pool row loaded
-    at the program's start (written only inside [0, slots)), or the sequence."""
+    at the program's start (written only inside [0, slots)), or the sequence.
+    A 16-bit pool gets the float32 tile rounded once, to nearest even
+    (_rounded)."""
     if STORE_FINAL_STATE:
+        b_s = _rounded(b_h, ht.dtype.element_ty)
         if INDEXED_STATE:
             if (i_w >= 0) & (i_w < slots):
                 p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
-                tl.store(p_ht + o_s, b_h, mask=m_kv)
+                tl.store(p_ht + o_s, b_s, mask=m_kv)
         else:
             p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
-            tl.store(p_ht + o_s, b_h, mask=m_kv)
+            tl.store(p_ht + o_s, b_s, mask=m_kv)
 
 
 @triton.jit

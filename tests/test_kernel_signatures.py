@@ -42,12 +42,15 @@ SPEC = KernelLaunch("kda_fused_recurrent_kernel", {}, 1, 1)
      "argument n_seqs must be a Python int"),
     (lambda i, o: i.update(read_idx=jnp.zeros((4,), jnp.float32)), TypeError,
      "argument read_idx must be an int32 array .* got float32"),
-    (lambda i, o: i.update(h0=jnp.zeros((4,), jnp.bfloat16)), TypeError,
-     "argument h0 must be a float32 array .* got bfloat16"),
+    (lambda i, o: i.update(A_log=jnp.zeros((4,), jnp.bfloat16)), TypeError,
+     "argument A_log must be a float32 array .* got bfloat16"),
+    (lambda i, o: i.update(h0=np.zeros((4,), np.float64)), TypeError,
+     r"argument h0 must be a float32 array \(or a state pool's bfloat16 / float16\) .* got "
+     "float64"),
     (lambda i, o: i.update(q=np.zeros((1, 1, 16), np.int32)), TypeError,
      "argument q must be a floating array .* got int32"),
 ], ids=["missing-input", "extra-input", "missing-output", "array-for-scalar",
-        "float-index", "bf16-state", "int-input"])
+        "float-index", "bf16-float32-only", "float64-state", "int-input"])
 def test_launch_by_name_refuses_what_does_not_fit(change, error, message):
     inputs, outputs = _decode_args()
     change(inputs, outputs)

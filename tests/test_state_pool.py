@@ -81,6 +81,41 @@ def test_round_trip_equals_initial_and_final_state(fn, impl, check_close):
     _untouched(new, pool, [1, 3])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_16_bit_pool_rounds_once_on_write_back(fn, impl, dtype, v_first, check_close):
+    """A bfloat16 / float16 pool: rows are read into float32 and computed on in
+    float32, and each written row is the float32 pool's final state rounded
+    once to the pool's dtype, bit for bit (the same inputs and float32 initial
+    values, which the 16-bit rows hold exactly); o equals the float32 pool's;
+    rows no sequence names, padding and a has_initial_state False row (NaN,
+    never read) come back untouched; o and the rows against the reference."""
+    lens, idx = [5, 0, 9, 1], np.array([4, 0, -1, 2], np.int32)
+    x, cu = _inputs(11, lens, with_state=False, state_v_first=v_first)
+    has = np.array([True, True, True, False])
+    wide = np.array(jnp.asarray(_pool(12, v_first), dtype).astype(jnp.float32))
+    wide[2] = np.nan  # has_initial_state False: never read
+    narrow = jnp.asarray(wide, dtype)
+    kw = dict(cu_seqlens=cu, state_indices=idx, has_initial_state=has, state_v_first=v_first,
+              implementation=impl)
+    o, new = FNS[fn](*x.args(), state_cache=narrow, **kw)
+    o32, new32 = FNS[fn](*x.args(), state_cache=wide, **kw)
+    assert new.dtype == jnp.dtype(dtype) and new.shape == wide.shape
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o32))
+    np.testing.assert_array_equal(np.asarray(new[idx[has & (idx >= 0)]]),
+                                  np.asarray(jnp.asarray(new32, dtype)[idx[has & (idx >= 0)]]))
+    np.testing.assert_array_equal(np.asarray(new[2]), np.asarray(jnp.asarray(new32[2], dtype)))
+    _untouched(np.asarray(new), np.asarray(narrow), [1, 3, 5])
+    h0 = _expected_h0(np.nan_to_num(wide), idx, has)
+    swap = (lambda a: np.swapaxes(a, -1, -2)) if v_first else (lambda a: a)
+    ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, initial_state=h0,
+                                           output_final_state=True, state_v_first=v_first)
+    check_close(o, ro, "float32", "o")
+    written = np.asarray(jnp.asarray(new, jnp.float32))
+    check_close(swap(written[[4, 0, 2]]), swap(np.asarray(rs)[[0, 1, 3]]), dtype, "final_state")
+
+
 @pytest.mark.parametrize("fn,impl", COMBOS)
 def test_padding_slots_and_has_initial_state(fn, impl, check_close):
     """Padding (negative, or a device index past the end) reads and writes nothing;
@@ -245,8 +280,8 @@ ERROR_CASES = [
      r"has_initial_state is only used with state_cache"),
     ("cache-without-indices", dict(state_indices=None), ValueError,
      r"state_cache needs state_indices: an int32 array \[N\]"),
-    ("cache-bf16", dict(state_cache=jnp.zeros((6, HV, K, V), jnp.bfloat16)), TypeError,
-     r"state_cache must be float32.*got dtype bfloat16"),
+    ("cache-float64", dict(state_cache=np.zeros((6, HV, K, V), np.float64)), TypeError,
+     r"state_cache must be floating point \(bf16, fp16 or fp32\), got dtype float64"),
     ("cache-int", dict(state_cache=np.zeros((6, HV, K, V), np.int32)), TypeError,
      r"state_cache must be floating point"),
     ("cache-rank3", dict(state_cache=np.zeros((HV, K, V), np.float32)), ValueError,

@@ -201,7 +201,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                     off_cu=meta.off_cu, off_co=meta.off_co, n_seqs=n, n_tokens=tokens,
                     n_chunk_rows=meta.chunk_programs, slots=st.slots),
         outputs=dict(o=sds((tokens, hv, vd) if tokens else (4,), q.dtype),
-                     ht=sds(st.ht_shape, f32)),
+                     ht=sds(st.ht_shape, st.ht_dtype)),
         grid=(meta.seq_programs, hv, -(-vd // state.constexprs["BV"])),
         name="kda_fwd_state_output",
         aliases={"h0": "ht"} if st.aliased else None)  # the pool's buffer

@@ -196,7 +196,9 @@ def _checked_signature(kernel: str, fn) -> signatures.Signature:
 _POINTER_DTYPES = {signatures.F32: np.dtype(np.float32), signatures.I32_PTR: np.dtype(np.int32)}
 _KIND_TEXT = {signatures.IN: "a floating array (the inputs' dtype)",
               signatures.WORK: "a floating array (the intermediates' dtype)",
-              signatures.F32: "a float32 array", signatures.I32_PTR: "an int32 array",
+              signatures.F32: "a float32 array",
+              signatures.STATE: "a float32 array (or a state pool's bfloat16 / float16)",
+              signatures.I32_PTR: "an int32 array",
               signatures.I32: "a Python int"}
 
 
@@ -208,8 +210,13 @@ def _check_kind(kernel: str, name: str, kind: str, value) -> None:
     else:
         dtype = getattr(value, "dtype", None)
         want = _POINTER_DTYPES.get(kind)
-        ok = dtype is not None and (jnp.dtype(dtype) == want if want is not None
-                                    else jnp.issubdtype(dtype, jnp.floating))
+        if dtype is None:
+            ok = False
+        elif kind == signatures.STATE:
+            ok = jnp.dtype(dtype).name in ("float32", "bfloat16", "float16")
+        else:
+            ok = (jnp.dtype(dtype) == want if want is not None
+                  else jnp.issubdtype(dtype, jnp.floating))
     if not ok:
         got = getattr(value, "dtype", None) or type(value).__name__
         raise TypeError(f"{kernel}: argument {name} must be {_KIND_TEXT[kind]} "

@@ -158,7 +158,7 @@ def _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts: KdaOptions
                     h0=st.h0, read_idx=st.read_idx, write_idx=st.write_idx, meta=meta.buffer,
                     off_cu=meta.off_cu, n_seqs=n, n_tokens=tokens, slots=st.slots),
         outputs=dict(o=jax.ShapeDtypeStruct((tokens, hv, vd) if tokens else (4,), out_dtype),
-                     ht=jax.ShapeDtypeStruct(st.ht_shape, f32)),
+                     ht=jax.ShapeDtypeStruct(st.ht_shape, st.ht_dtype)),
         grid=(-(-vd // spec.constexprs["BV"]), hv, meta.seq_programs),
         name="kda_fused_recurrent",
         aliases={"h0": "ht"} if st.aliased else None)  # the pool's buffer

@@ -18,14 +18,16 @@ __all__ = ["KernelStates", "kernel_states"]
 class KernelStates(NamedTuple):
     """The state arguments of a Triton kernel that reads initial and writes
     final states (kernels/state_io.py): ``h0, read_idx, write_idx, slots``,
-    the state output's shape, and whether that output is h0's buffer (a pool,
-    aliased) or a fresh array."""
+    the state output's shape and dtype (a pool's own, which may be 16-bit:
+    kernels/state_io.py computes in float32 and rounds once on the store), and
+    whether that output is h0's buffer (a pool, aliased) or a fresh array."""
 
     h0: jax.Array
     read_idx: jax.Array
     write_idx: jax.Array
     slots: int
     ht_shape: tuple
+    ht_dtype: np.dtype
     aliased: bool
 
 
@@ -37,7 +39,8 @@ def kernel_states(pool: StatePool | None, initial_state, state_shape: tuple,
     no_index = stand_in(np.int32)
     if pool is not None:
         return KernelStates(pool.cache, read_index(pool), pool.indices, pool.cache.shape[0],
-                            tuple(pool.cache.shape), True)
+                            tuple(pool.cache.shape), np.dtype(pool.cache.dtype), True)
     h0 = stand_in() if initial_state is None else initial_state.astype(jnp.float32)
     return KernelStates(h0, no_index, no_index, 0,
-                        tuple(state_shape) if output_final_state else (4,), False)
+                        tuple(state_shape) if output_final_state else (4,),
+                        np.dtype(np.float32), False)
