@@ -127,6 +127,18 @@ def _close(check_close, got: KDACache, want: KDACache, what):
                     kind="state")
 
 
+def _prefill_then_decode(call, layer, x, n):
+    """(y [B, T, hidden], cache): the first n tokens of x [B, T, hidden] as one prefill
+    from a fresh cache, then one jitted decode step per token."""
+    y, cache = call(layer, x[:, :n], cache=layer.init_cache(x.shape[0]))
+    ys = [y]
+    step = jax.jit(lambda x, c: layer(x, cache=c))
+    for t in range(n, x.shape[1]):
+        y, cache = step(x[:, t:t + 1], cache)
+        ys.append(y)
+    return jnp.concatenate(ys, axis=1), cache
+
+
 # --------------------------------------------------------------------------- #
 # Forward against the transcription.
 # --------------------------------------------------------------------------- #
@@ -183,13 +195,8 @@ def test_prefill_then_decode_equals_one_prefill(implementation, monkeypatch, che
     layer = make_layer(implementation)
     x = _inputs(16).reshape(2, 8, HIDDEN)
     full, whole = call(layer, x, cache=layer.init_cache(2))
-    y, cache = call(layer, x[:, :5], cache=layer.init_cache(2))
-    ys = [y]
-    step = jax.jit(lambda x, c: layer(x, cache=c))
-    for t in range(5, 8):
-        y, cache = step(x[:, t:t + 1], cache)
-        ys.append(y)
-    check_close(jnp.concatenate(ys, axis=1), full, "float32", "y prefill+decode")
+    ys, cache = _prefill_then_decode(call, layer, x, 5)
+    check_close(ys, full, "float32", "y prefill+decode")
     _close(check_close, cache, whole, "prefill+decode")
 
 
@@ -431,13 +438,8 @@ def test_decode_after_prefill_poisons_what_one_prefill_does(monkeypatch):
     x = clean.at[0, 3, 5].set(jnp.nan).at[1, 6, 2].set(jnp.inf)
     full, whole = call(layer, x, cache=layer.init_cache(3))
     full_clean, whole_clean = call(layer, clean, cache=layer.init_cache(3))
-    y, cache = call(layer, x[:, :5], cache=layer.init_cache(3))
-    ys = [y]
-    step = jax.jit(lambda x, c: layer(x, cache=c))
-    for t in range(5, 8):
-        y, cache = step(x[:, t:t + 1], cache)
-        ys.append(y)
-    steps = np.asarray(jnp.concatenate(ys, axis=1))
+    ys, cache = _prefill_then_decode(call, layer, x, 5)
+    steps = np.asarray(ys)
     full, full_clean = np.asarray(full), np.asarray(full_clean)
     expected = np.zeros((3, 8), bool)
     expected[0, 3:] = expected[1, 6:] = True
