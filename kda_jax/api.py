@@ -199,7 +199,8 @@ _ARGS_DOC = """
         -1 first, so int64 under jax_enable_x64 never wraps onto a row): each
         sequence's pool row. A negative index is a padding slot: nothing is
         read (o is computed from a zero state) or written.
-        Required with ``state_cache``. NumPy indices are checked on the host
+        Required with ``state_cache``, unless ``read_indices`` and
+        ``write_indices`` replace it. NumPy indices are checked on the host
         for the real sequences: all N with host bounds, the first
         (real count) with a NumPy VarlenBatch, whose padded slots' indices
         are ignored unchecked. There an index >= slots, or a row named twice,
@@ -208,6 +209,13 @@ _ARGS_DOC = """
         checked (that would need a device read): an index >= slots acts as
         padding, and a row named twice is undefined (either sequence's final
         state may land there).
+      read_indices, write_indices: int32 ``[N]`` each, together in place of
+        ``state_indices`` (read / write slots, e.g. for prefix caching): sequence
+        n starts from row ``read_indices[n]`` and writes its final state to row
+        ``write_indices[n]``; -1 reads (zeros) or writes nothing. A row that is
+        read and not written comes back bit-identical, and several sequences
+        may read one row; written rows must be distinct (checked as
+        ``state_indices`` is).
       has_initial_state: bool ``[N]`` or None (all True). False: the sequence
         starts from zeros and never reads its row (which may hold garbage);
         the row still receives its final state.
@@ -241,7 +249,8 @@ def chunk_kda(
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
     state_v_first=False, chunk_size=64, cu_seqlens=None, state_cache=None, state_indices=None,
-    has_initial_state=None, implementation=None, context_axis=None,
+    has_initial_state=None, implementation=None, context_axis=None, read_indices=None,
+    write_indices=None,
 ):
     devices = context_parallel.axis_devices(context_axis, cu_seqlens)
     opts, bounds, pool = check_call(
@@ -255,6 +264,7 @@ def chunk_kda(
         implementation=implementation,
         state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, context_devices=devices,
+        read_indices=read_indices, write_indices=write_indices,
     )
     backend = _choose_backend(implementation, q, v)
     if bounds is None:
@@ -309,7 +319,7 @@ def fused_recurrent_kda(
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
     state_v_first=False, cu_seqlens=None, state_cache=None, state_indices=None,
-    has_initial_state=None, implementation=None,
+    has_initial_state=None, implementation=None, read_indices=None, write_indices=None,
 ):
     opts, bounds, pool = check_call(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -320,7 +330,8 @@ def fused_recurrent_kda(
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         chunk_size=None, cu_seqlens=cu_seqlens, implementation=implementation,
         state_cache=state_cache, state_indices=state_indices,
-        has_initial_state=has_initial_state,
+        has_initial_state=has_initial_state, read_indices=read_indices,
+        write_indices=write_indices,
     )
     backend = _choose_backend(implementation, q, v)
     if bounds is None:

@@ -282,11 +282,13 @@ def _int_vector(x, name: str, n: int, what: str, kind: str):
 
 
 def _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
-                          output_final_state: bool):
+                          output_final_state: bool, read_indices=None, write_indices=None):
     """Which pool arguments go together: indices only with a pool, a pool
-    neither with initial_state nor with output_final_state."""
+    neither with initial_state nor with output_final_state, and either
+    state_indices or both read_indices and write_indices."""
     if state_cache is None:
         for name, value in (("state_indices", state_indices),
+                            ("read_indices", read_indices), ("write_indices", write_indices),
                             ("has_initial_state", has_initial_state)):
             if value is not None:
                 raise ValueError(
@@ -306,6 +308,22 @@ def _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial
             "final states are written into the pool and the call returns "
             "(o, new_state_cache): drop output_final_state"
         )
+    slots_given = (read_indices is not None, write_indices is not None)
+    if any(slots_given):
+        if state_indices is not None:
+            raise ValueError(
+                "state_indices and read_indices / write_indices were both passed; pass "
+                "state_indices (each sequence reads and writes one row) or read_indices and "
+                "write_indices (separate rows), not both"
+            )
+        if not all(slots_given):
+            given, missing = (("read_indices", "write_indices") if slots_given[0]
+                              else ("write_indices", "read_indices"))
+            raise ValueError(
+                f"{given} needs {missing}: read and write slots come as a pair of int32 "
+                f"arrays [N] (-1 where a sequence reads or writes no row); for one row per "
+                f"sequence pass state_indices instead"
+            )
 
 
 def _check_cache(state_cache, dims: _Dims, v_first: bool) -> int:
@@ -333,26 +351,28 @@ def _real_slots(bounds) -> int | None:
     return None if header is None else header[0]
 
 
-def _check_host_indices(idx: np.ndarray, slots: int, real: int) -> np.ndarray:
-    """NumPy indices: the first ``real`` entries must name distinct rows in
-    [0, slots) or be negative (padding); the rest are padding slots of a batch
-    and become -1 unseen. Returns them as int32, every padding slot -1."""
+def _check_host_indices(idx: np.ndarray, slots: int, real: int, name: str = "state_indices",
+                        shared_rows: bool = False) -> np.ndarray:
+    """NumPy indices: the first ``real`` entries must name rows in [0, slots)
+    or be negative (padding), distinct unless ``shared_rows`` (rows only read:
+    sequences may start from one cached prefix); the rest are padding slots of
+    a batch and become -1 unseen. Returns them as int32, every padding slot -1."""
     live = idx[:real]
     past = np.flatnonzero(live >= slots)  # compared in idx's own dtype: nothing wraps
     if past.size:
         i = int(past[0])
         raise ValueError(
-            f"state_indices[{i}]={int(live[i])} is >= slots={slots} (state_cache.shape[0]); "
+            f"{name}[{i}]={int(live[i])} is >= slots={slots} (state_cache.shape[0]); "
             "use a row in [0, slots), or -1 for a padding slot"
         )
     rows = np.where(live < 0, -1, live).astype(np.int64)
     named, counts = np.unique(rows, return_counts=True)
     shared = np.flatnonzero((named >= 0) & (counts > 1))
-    if shared.size:
+    if shared.size and not shared_rows:
         row = int(named[shared[0]])
         at = np.flatnonzero(rows == row)[:4].tolist()
         raise ValueError(
-            f"state_indices names row {row} more than once (at positions {at}); two "
+            f"{name} names row {row} more than once (at positions {at}); two "
             "sequences cannot share a pool row (which final state lands there would be "
             "undefined): give each sequence its own row, or -1 for padding"
         )
@@ -362,7 +382,8 @@ def _check_host_indices(idx: np.ndarray, slots: int, real: int) -> np.ndarray:
 
 
 def _check_pool(state_cache, state_indices, has_initial_state, *, bounds, n, what,
-                dims: _Dims, v_first: bool) -> state_pool.StatePool | None:
+                dims: _Dims, v_first: bool, read_indices=None,
+                write_indices=None) -> state_pool.StatePool | None:
     """The pool's arrays; returns a StatePool (int32 indices) or None.
 
     NumPy indices are checked on the host: with host bounds all N of them,
@@ -370,37 +391,43 @@ def _check_pool(state_cache, state_indices, has_initial_state, *, bounds, n, wha
     padded slots' are ignored, as on the device). With a batch already on the
     device the real count is unknown here, so NumPy indices are then treated
     as device indices are: only shape and dtype are checked; an index outside
-    [0, slots) is padding, a row named twice is undefined. Indices wider than
+    [0, slots) is padding, a row written twice is undefined (read_indices may
+    name a row more than once: those rows are only read). Indices wider than
     int32 are narrowed with out-of-range entries made -1 first, on the host or
     on the device (pool.narrow_indices), so a large index never wraps onto a row.
     """
     if state_cache is None:
         return None
     slots = _check_cache(state_cache, dims, v_first)
-    if state_indices is None:
+    if state_indices is None and read_indices is None:
         raise ValueError(
             "state_cache needs state_indices: an int32 array [N] naming each sequence's row "
-            "of the pool (negative for a padding slot)"
+            "of the pool (negative for a padding slot), or read_indices and write_indices"
         )
-    _int_vector(state_indices, "state_indices", n, what, "int")
-    if isinstance(state_indices, np.ndarray):
-        real = _real_slots(bounds)
-        if real is None:
-            state_indices = state_pool.narrow_indices(state_indices, slots)
-        else:
-            state_indices = _check_host_indices(state_indices, slots, real)
-    else:
-        state_indices = state_pool.narrow_indices(state_indices, slots)
+
+    def rows(idx, name, shared_rows=False):
+        _int_vector(idx, name, n, what, "int")
+        if isinstance(idx, np.ndarray):
+            real = _real_slots(bounds)
+            if real is not None:
+                return _check_host_indices(idx, slots, real, name, shared_rows)
+        return state_pool.narrow_indices(idx, slots)
+
     if has_initial_state is not None:
         _int_vector(has_initial_state, "has_initial_state", n, what, "bool")
-    return state_pool.StatePool(state_cache, state_indices, has_initial_state)
+    if state_indices is not None:
+        return state_pool.StatePool(state_cache, rows(state_indices, "state_indices"),
+                                    has_initial_state)
+    return state_pool.StatePool(state_cache, rows(read_indices, "read_indices", True),
+                                has_initial_state, rows(write_indices, "write_indices"))
 
 
 def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                 use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
                 cu_seqlens, implementation, state_cache=None, state_indices=None,
-                has_initial_state=None, context_devices: int = 1):
+                has_initial_state=None, context_devices: int = 1, read_indices=None,
+                write_indices=None):
     """Validates one call; returns (options, bounds, pool or None).
 
     ``chunk_size``: chunk_kda's, checked (:func:`check_chunk_size`), or None
@@ -432,9 +459,10 @@ def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
     n, what = _sequence_slots(bounds, cu_seqlens)
     _check_initial_state(initial_state, n, what, dims, flags["state_v_first"])
     _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
-                          flags["output_final_state"])
+                          flags["output_final_state"], read_indices, write_indices)
     pool = _check_pool(state_cache, state_indices, has_initial_state, bounds=bounds, n=n,
-                       what=what, dims=dims, v_first=flags["state_v_first"])
+                       what=what, dims=dims, v_first=flags["state_v_first"],
+                       read_indices=read_indices, write_indices=write_indices)
     opts = KdaOptions(
         scale=float(scale), lower_bound=lower_bound,
         chunk_size=CHUNK_SIZES[-1] if chunk_size is None else chunk_size, **flags,

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["StatePool", "narrow_indices", "read_index", "read_states", "write_states", "gather_run_scatter"]
+__all__ = ["StatePool", "narrow_indices", "read_index", "write_index", "read_states", "write_states",
+           "gather_run_scatter"]
 
 
 class StatePool(NamedTuple):
@@ -29,13 +30,18 @@ class StatePool(NamedTuple):
 
     cache: ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` when V-first), float32,
       bfloat16 or float16.
-    indices: int32 ``[N]``, one row per sequence; negative = padding slot.
+    indices: int32 ``[N]``, the row each sequence reads (and writes, without
+      write_indices); negative = padding slot.
     has_initial_state: bool ``[N]``, or None (every sequence reads its row).
+    write_indices: int32 ``[N]``, the row each sequence writes when it is not
+      the one it reads (read / write slots, e.g. a cached prefix read and
+      left as it is), negative = none; or None.
     """
 
     cache: jax.Array
     indices: jax.Array
     has_initial_state: jax.Array | None
+    write_indices: jax.Array | None = None
 
 
 def narrow_indices(indices, slots: int):
@@ -66,6 +72,11 @@ def read_index(pool: StatePool) -> jax.Array:
     return jnp.where(pool.has_initial_state, pool.indices, -1)
 
 
+def write_index(pool: StatePool) -> jax.Array:
+    """int32 ``[N]``: the row each sequence's final state goes to, negative for none."""
+    return pool.indices if pool.write_indices is None else pool.write_indices
+
+
 def _out_of_range(index: jax.Array, slots: int) -> jax.Array:
     # jnp indexing wraps negative indices before any mode applies; mapping
     # them (and any index past the end) to `slots` makes fill/drop see them.
@@ -84,7 +95,7 @@ def write_states(pool: StatePool, finals: jax.Array) -> jax.Array:
     """The new cache: ``finals`` ``[N, HV, ., .]`` written to each sequence's row;
     padding slots drop their final state."""
     slots = pool.cache.shape[0]
-    rows = _out_of_range(pool.indices, slots)
+    rows = _out_of_range(write_index(pool), slots)
     return pool.cache.at[rows].set(finals.astype(pool.cache.dtype), mode="drop")
 
 

@@ -112,6 +112,32 @@ def test_equals_static_with_a_pool(fn, impl, check_close):
     check_close(new[real_idx], rs, "float32", "final_state")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fn", FNS)
+def test_read_and_write_slots_in_a_bucket(fn, impl, check_close):
+    """Read / write slots in the bucketed form: the padded slots' read and
+    write indices (in range, a NaN row among them) are ignored; the real
+    sequences read shared and own rows and write others."""
+    lens = [3, 1, 0, 66]
+    x, cu, padded, batch = _case(5, lens)
+    t = int(cu[-1])
+    pool = _pool(6)
+    pool[7] = np.nan  # named by padded slots only
+    read = np.array([2, 2, -1, 6, 7, 7, 0, 1], np.int32)
+    write = np.array([5, 0, 3, 6, 7, 1, 4, 2], np.int32)
+    o, new = FNS[fn](*padded, cu_seqlens=batch, state_cache=pool, read_indices=jnp.asarray(read),
+                     write_indices=jnp.asarray(write), implementation=impl)
+    new = np.asarray(new)
+    h0 = np.where((read[:4] >= 0)[:, None, None, None], pool[np.maximum(read[:4], 0)], 0.0)
+    ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, initial_state=h0,
+                                           output_final_state=True)
+    check_close(np.asarray(o)[:, :t], ro, "float32", "o")
+    check_close(new[write[:4]], rs, "float32", "final_state")
+    _check_tail(o, t)
+    for row in (1, 2, 4, 7):  # read only, or named by padded slots only
+        np.testing.assert_array_equal(new[row], pool[row], err_msg=f"row {row} changed")
+
+
 def _rotating_lengths(count, bucket, seed=0):
     """``count`` different length lists of one bucket: one-token decodes and
     prefills, perturbed, N <= max_seqs and T <= max_tokens."""

@@ -81,6 +81,51 @@ def test_round_trip_equals_initial_and_final_state(fn, impl, check_close):
     _untouched(new, pool, [1, 3])
 
 
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_read_and_write_slots(fn, impl, check_close):
+    """read_indices / write_indices in place of state_indices: two sequences
+    start from one cached row (read, not written: it comes back bit-identical),
+    one reads and writes the same row, one reads nothing (-1: zeros), one
+    writes nothing; finals against the reference from the rows read."""
+    lens = [4, 7, 0, 3, 5]
+    read = np.array([2, 2, -1, 4, 1], np.int32)
+    write = np.array([0, 5, 3, 4, -1], np.int32)
+    x, cu = _inputs(21, lens, with_state=False)
+    pool = _pool(22)
+    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool, read_indices=read,
+                     write_indices=jnp.asarray(write), implementation=impl)
+    h0 = _expected_h0(pool, read)
+    ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, initial_state=h0,
+                                           output_final_state=True)
+    check_close(o, ro, "float32", "o")
+    new = np.asarray(new)
+    check_close(new[[0, 5, 3, 4]], np.asarray(rs)[[0, 1, 2, 3]], "float32", "final_state")
+    np.testing.assert_array_equal(new[3], h0[2])  # the empty sequence writes zeros it read
+    _untouched(new, pool, [1, 2])
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_read_and_write_slot_errors(fn):
+    x, _ = _inputs(0, B=3, T=2, with_state=False)
+    pool = _pool(1)
+    call = lambda **kw: FNS[fn](*x.args(), state_cache=pool, implementation="xla", **kw)
+    idx = np.array([0, 1, 2], np.int32)
+    with pytest.raises(ValueError, match="read_indices needs write_indices"):
+        call(read_indices=idx)
+    with pytest.raises(ValueError, match="write_indices needs read_indices"):
+        call(write_indices=idx)
+    with pytest.raises(ValueError, match="state_indices and read_indices / write_indices"):
+        call(state_indices=idx, read_indices=idx, write_indices=idx)
+    with pytest.raises(ValueError, match=r"write_indices names row 1 more than once"):
+        call(read_indices=idx, write_indices=np.array([1, -1, 1], np.int32))
+    with pytest.raises(ValueError, match=r"read_indices\[2\]=6 is >= slots=6"):
+        call(read_indices=np.array([0, 1, 6], np.int32), write_indices=idx)
+    with pytest.raises(ValueError, match="read_indices is only used with state_cache"):
+        FNS[fn](*x.args(), read_indices=idx, implementation="xla")
+    o, new = call(read_indices=np.array([1, 1, 1], np.int32), write_indices=idx)
+    assert new.shape == pool.shape  # a row read by every sequence is fine
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("fn,impl", COMBOS)

@@ -105,7 +105,8 @@ def _leaf_roles(name: str, value) -> list:
         return []
     if isinstance(value, StatePool):
         return [ROLES["cache"], ROLES["indices"]] + (
-            [] if value.has_initial_state is None else [ROLES["has_initial_state"]])
+            [] if value.has_initial_state is None else [ROLES["has_initial_state"]]) + (
+            [] if value.write_indices is None else [ROLES["indices"]])
     if isinstance(value, VarlenBatch):
         return [ROLES["metadata"]]
     return [ROLES[name]]

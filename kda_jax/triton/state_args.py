@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_jax.pool import StatePool, read_index
+from kda_jax.pool import StatePool, read_index, write_index
 from kda_jax.triton.launch import stand_in
 
 __all__ = ["KernelStates", "kernel_states"]
@@ -38,7 +38,7 @@ def kernel_states(pool: StatePool | None, initial_state, state_shape: tuple,
     ``state_shape`` output (a stand-in without ``output_final_state``)."""
     no_index = stand_in(np.int32)
     if pool is not None:
-        return KernelStates(pool.cache, read_index(pool), pool.indices, pool.cache.shape[0],
+        return KernelStates(pool.cache, read_index(pool), write_index(pool), pool.cache.shape[0],
                             tuple(pool.cache.shape), np.dtype(pool.cache.dtype), True)
     h0 = stand_in() if initial_state is None else initial_state.astype(jnp.float32)
     return KernelStates(h0, no_index, no_index, 0,
