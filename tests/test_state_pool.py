@@ -126,8 +126,8 @@ def test_read_and_write_slot_errors(fn):
     assert new.shape == pool.shape  # a row read by every sequence is fine
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("dtype,v_first", [("bfloat16", False), ("bfloat16", True),
+                                           ("float16", True)])
 @pytest.mark.parametrize("fn,impl", COMBOS)
 def test_16_bit_pool_rounds_once_on_write_back(fn, impl, dtype, v_first, check_close):
     """A bfloat16 / float16 pool: rows are read into float32 and computed on in
