@@ -18,8 +18,10 @@ writes JSON, and exits 1 when a compile fails or a kernel spills to memory:
   SGPR spills land in VGPR lanes and are only recorded.
 * CUDA (sm90): from ``ptxas -v`` (the log of Triton's own ptxas run);
   ``vgprs`` is registers per thread, ``vgpr_spills`` the spill-store bytes,
-  ``scratch`` the stack frame; failure is spill stores > 0 or shared memory
-  over 227 KB. Occupancy is resident warps per SM from registers (65536, 256
+  ``scratch`` the stack frame and ``local_ops`` the PTX's local-memory loads
+  and stores; failure is spill stores > 0, a stack frame the PTX loads or
+  stores (ptxas keeps an 8-byte frame for a declared but unused local depot,
+  which costs nothing) or shared memory over 227 KB. Occupancy is resident warps per SM from registers (65536, 256
   per warp granule), shared memory (228 KB, 1 KB reserved per block) and the
   64-warp limit.
 
@@ -495,7 +497,7 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
     row = dict(kernel=kernel, target=target, spec=spec.name, spec_detail=dataclasses.asdict(spec),
                config=None, num_warps=None, num_stages=None,
                vgprs=None, agprs=None, sgprs=None, vgpr_spills=None, spill_loads=None,
-               sgpr_spills=None, scratch=None, lds_bytes=None, occupancy=None,
+               sgpr_spills=None, scratch=None, local_ops=None, lds_bytes=None, occupancy=None,
                ok=False, error=None, compile_s=None, same_binary_as=None,
                **_matrix_fields(None))
     try:
@@ -541,6 +543,10 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
                 problems.append(f"{row['vgpr_spills']} bytes spill stores "
                                 f"({row['spill_loads']} bytes spill loads, "
                                 f"{row['vgprs']} registers)")
+            row["local_ops"] = len(re.findall(r"\b(?:ld|st)\.local\b", compiled.asm["ptx"]))
+            if row["scratch"] and row["local_ops"]:
+                problems.append(f"{row['scratch']} bytes stack frame used by "
+                                f"{row['local_ops']} local loads / stores")
         row.update(_matrix_fields(compiled, backend, target, launch))
         if row["lds_bytes"] > _LDS_LIMIT[target]:
             problems.append(f"{row['lds_bytes']} bytes LDS > {_LDS_LIMIT[target]}")
@@ -666,6 +672,16 @@ _SUMMARY_FIELDS = ("spec", "num_warps", "num_stages", "vgprs", "agprs", "sgprs",
                    "sass_matrix_ops")
 
 
+def spilled(row: dict) -> bool:
+    """Whether a compile row goes to memory for registers: spill stores, a
+    HIP private segment, or a CUDA stack frame the PTX loads or stores."""
+    if row.get("vgpr_spills"):
+        return True
+    if row.get("target", "").startswith("sm"):
+        return bool(row.get("scratch") and row.get("local_ops"))
+    return bool(row.get("scratch"))
+
+
 def summary(rows: list[dict], triton_version: str) -> dict:
     """The small report committed as bench/results/aot-summary.json.
 
@@ -683,7 +699,7 @@ def summary(rows: list[dict], triton_version: str) -> dict:
                                                  max_lds_bytes=None, min_occupancy=None))
         agg["compiles"] += 1
         agg["failed"] += 0 if r.get("ok") else 1
-        agg["spilled"] += 1 if (r.get("vgpr_spills") or r.get("scratch")) else 0
+        agg["spilled"] += 1 if spilled(r) else 0
         for key, field, pick in (("max_vgprs", "vgprs", max), ("max_lds_bytes", "lds_bytes", max),
                                  ("min_occupancy", "occupancy", min)):
             if r.get(field) is not None:

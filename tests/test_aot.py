@@ -244,3 +244,14 @@ $L__BB0_1:                              // =>This Inner Loop Header: Depth=1
     assert prof["matrix_loops"][0]["loop"] == "src.py:6 for ks in range(0, K, BK)"
     assert prof["matrix_ops_per_program"] == {
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16": 8}
+
+
+def test_spilled_counts_only_memory_the_code_touches():
+    # ptxas keeps an 8-byte frame for a declared, unused local depot: no
+    # traffic, so no spill; a frame the PTX loads or stores is one, as is any
+    # HIP private segment.
+    assert not aot.spilled(dict(target="sm90", vgpr_spills=0, scratch=8, local_ops=0))
+    assert aot.spilled(dict(target="sm90", vgpr_spills=0, scratch=8, local_ops=2))
+    assert aot.spilled(dict(target="sm90", vgpr_spills=16, scratch=16, local_ops=4))
+    assert aot.spilled(dict(target="gfx950", vgpr_spills=0, scratch=4))
+    assert not aot.spilled(dict(target="gfx942", vgpr_spills=0, scratch=0))
