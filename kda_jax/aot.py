@@ -168,7 +168,9 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
     spec's chunk size does not apply; "default" flags compile the uniform
     one-token form of a dense decode step with a float32 initial and final
     state, as a decode loop runs it, "all" flags the varlen form with the
-    state pool)."""
+    state pool: at chunk 64 writing final states, at chunk 32 (which the
+    kernel would otherwise compile identically) a speculative verify of 1 + 3
+    tokens writing the state after each)."""
     import dataclasses
 
     from kda_jax.configs import recurrent_config
@@ -183,7 +185,8 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
     launch = recurrent_launch(
         h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config,
         has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0,
-        indexed_state=spec.flags == "all", uniform_len=1 if spec.flags == "default" else None)
+        indexed_state=spec.flags == "all", uniform_len=1 if spec.flags == "default" else None,
+        write_columns=4 if spec.flags == "all" and spec.chunk == 32 else 0)
     return launch, config, spec.dtype
 
 

@@ -209,6 +209,24 @@ _ARGS_DOC = """
         checked (that would need a device read): an index >= slots acts as
         padding, and a row named twice is undefined (either sequence's final
         state may land there).
+        Or int32 ``[N, W]``, W = 1 + S drafts (speculative verify, each
+        sequence at most W tokens): sequence n starts from row
+        ``state_indices[n, num_accepted_tokens[n] - 1]`` (column 0 without
+        ``num_accepted_tokens``) and writes the state after its token t to
+        row ``state_indices[n, t]``, -1 for none; no other final state is
+        written. The outputs and states are those of single-token decodes run
+        one after another (bit for bit with a float32 pool on the XLA path,
+        and on the Triton path when every sequence has the same length;
+        otherwise up to float32 rounding). A 16-bit pool rounds each written
+        state once, and the states between a verify's tokens stay float32.
+        Written rows must be distinct over the whole matrix (checked for
+        NumPy indices). chunk_kda runs a verify with the token-by-token
+        kernel, as fused_recurrent_kda does: the chunked form holds no state
+        between chunk boundaries.
+      num_accepted_tokens: int32 ``[N]`` (NumPy or jax, traced allowed), only
+        with a ``[N, W]`` state_indices: the tokens of each sequence's last
+        verify that were accepted, in [1, W] (NumPy counts are checked on the
+        host; a device count outside [1, W] reads no row: zeros).
       read_indices, write_indices: int32 ``[N]`` each, together in place of
         ``state_indices`` (read / write slots, e.g. for prefix caching): sequence
         n starts from row ``read_indices[n]`` and writes its final state to row
@@ -250,7 +268,7 @@ def chunk_kda(
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
     state_v_first=False, chunk_size=64, cu_seqlens=None, state_cache=None, state_indices=None,
     has_initial_state=None, implementation=None, context_axis=None, read_indices=None,
-    write_indices=None,
+    write_indices=None, num_accepted_tokens=None,
 ):
     devices = context_parallel.axis_devices(context_axis, cu_seqlens)
     opts, bounds, pool = check_call(
@@ -265,11 +283,18 @@ def chunk_kda(
         state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, context_devices=devices,
         read_indices=read_indices, write_indices=write_indices,
+        num_accepted_tokens=num_accepted_tokens,
     )
     backend = _choose_backend(implementation, q, v)
     if bounds is None:
         return _no_sequence(q, v, opts, pool)
     args = (q, k, v, g, beta, initial_state, A_log, dt_bias, pool)
+    if state_pool.token_rows(pool) is not None:
+        # A verify writes the state after every token, which the chunked form
+        # never holds: the token-by-token kernel is the one for it.
+        if context_axis is not None:
+            context_parallel.check_call(pool, backend, q, v, TRITON_MAX_HEAD_DIM, context_axis)
+        return _recurrent(backend, args, opts, bounds)
     config = bwd_config = None
     if backend == "triton":
         config = configs.forward_config(chunk_size=opts.chunk_size)
@@ -320,6 +345,7 @@ def fused_recurrent_kda(
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
     state_v_first=False, cu_seqlens=None, state_cache=None, state_indices=None,
     has_initial_state=None, implementation=None, read_indices=None, write_indices=None,
+    num_accepted_tokens=None,
 ):
     opts, bounds, pool = check_call(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -331,12 +357,16 @@ def fused_recurrent_kda(
         chunk_size=None, cu_seqlens=cu_seqlens, implementation=implementation,
         state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, read_indices=read_indices,
-        write_indices=write_indices,
+        write_indices=write_indices, num_accepted_tokens=num_accepted_tokens,
     )
     backend = _choose_backend(implementation, q, v)
     if bounds is None:
         return _no_sequence(q, v, opts, pool)
-    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, pool)
+    return _recurrent(backend, (q, k, v, g, beta, initial_state, A_log, dt_bias, pool), opts,
+                      bounds)
+
+
+def _recurrent(backend: str, args: tuple, opts: KdaOptions, bounds):
     if backend == "triton":
         return _recurrent_triton(*args, opts=opts, bounds=bounds,
                                  config=configs.recurrent_config())

@@ -273,5 +273,11 @@ def mask_padding(pool: state_pool.StatePool | None, varlen) -> state_pool.StateP
         return pool
     real = varlen.table("header")[0]
     slot = jnp.arange(varlen.bucket.max_seqs, dtype=jnp.int32)
-    live = lambda idx: None if idx is None else jnp.where(slot < real, idx, -1).astype(jnp.int32)
+
+    def live(idx):  # [N] or a verify's [N, W]
+        if idx is None:
+            return None
+        inside = (slot < real).reshape((-1,) + (1,) * (idx.ndim - 1))
+        return jnp.where(inside, idx, -1).astype(jnp.int32)
+
     return pool._replace(indices=live(pool.indices), write_indices=live(pool.write_indices))

@@ -282,14 +282,16 @@ def _int_vector(x, name: str, n: int, what: str, kind: str):
 
 
 def _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
-                          output_final_state: bool, read_indices=None, write_indices=None):
+                          output_final_state: bool, read_indices=None, write_indices=None,
+                          num_accepted_tokens=None):
     """Which pool arguments go together: indices only with a pool, a pool
     neither with initial_state nor with output_final_state, and either
     state_indices or both read_indices and write_indices."""
     if state_cache is None:
         for name, value in (("state_indices", state_indices),
                             ("read_indices", read_indices), ("write_indices", write_indices),
-                            ("has_initial_state", has_initial_state)):
+                            ("has_initial_state", has_initial_state),
+                            ("num_accepted_tokens", num_accepted_tokens)):
             if value is not None:
                 raise ValueError(
                     f"{name} is only used with state_cache (the paged state pool), got "
@@ -381,9 +383,67 @@ def _check_host_indices(idx: np.ndarray, slots: int, real: int, name: str = "sta
     return out
 
 
+def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: int,
+                  what: str) -> state_pool.StatePool:
+    """Speculative verify: ``state_indices`` int ``[N, W]`` (W = 1 + drafts) and
+    ``num_accepted_tokens`` int ``[N]`` or None. Returns a StatePool without
+    its cache: ``indices`` the row each sequence starts from, column
+    ``num_accepted_tokens[n] - 1`` (column 0 without them; -1 where that
+    count is outside [1, W], so that nothing is read), and ``write_indices``
+    the ``[N, W]`` rows of the states after each token.
+
+    NumPy indices are checked on the host as 1-D ones are (written rows in
+    range and distinct over the whole matrix); with host bounds, every
+    sequence must fit its W columns. NumPy counts are checked to lie in [1, W]."""
+    if not hasattr(state_indices, "shape") or not hasattr(state_indices, "dtype"):
+        raise TypeError(
+            f"state_indices must be an int32 array [N] or [N, 1 + drafts], got "
+            f"{type(state_indices).__name__}")
+    w = int(state_indices.shape[1])
+    if tuple(state_indices.shape) != (n, w) or w < 1:
+        raise ValueError(
+            f"state_indices [N, 1 + drafts] (speculative verify) must have N = {what} = {n} "
+            f"rows and at least one column, got shape {tuple(state_indices.shape)}")
+    dtype = np.dtype(state_indices.dtype)
+    if not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+        raise TypeError(f"state_indices must be an int32 array [N, 1 + drafts], got dtype {dtype}")
+    real = _real_slots(bounds)
+    if isinstance(bounds, SeqBounds):
+        lens = np.diff(bounds.cu_seqlens)
+        long = np.flatnonzero(lens > w)
+        if long.size:
+            i = int(long[0])
+            raise ValueError(
+                f"sequence {i} has {int(lens[i])} tokens but state_indices has {w} columns "
+                f"(one per token's state in a verify step, shape {tuple(state_indices.shape)}): "
+                f"give state_indices at least {int(lens.max())} columns, or verify at most {w} "
+                f"tokens per sequence")
+    if isinstance(state_indices, np.ndarray) and real is not None:
+        flat = _check_host_indices(state_indices[:real].reshape(-1), slots, real * w,
+                                   "state_indices (flattened [N, 1 + drafts])")
+        rows = np.full((n, w), -1, np.int32)
+        rows[:real] = flat.reshape(real, w)
+    else:
+        rows = state_pool.narrow_indices(state_indices, slots)
+    if num_accepted_tokens is None:
+        return state_pool.StatePool(None, rows[:, 0], None, rows)
+    _int_vector(num_accepted_tokens, "num_accepted_tokens", n, what, "int")
+    if isinstance(num_accepted_tokens, np.ndarray) and real is not None:
+        acc = num_accepted_tokens[:real]
+        bad = np.flatnonzero((acc < 1) | (acc > w))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"num_accepted_tokens[{i}]={int(acc[i])} is outside [1, {w}] (state_indices has "
+                f"{w} columns): sequence n starts from column num_accepted_tokens[n] - 1, the "
+                f"state after its last accepted token; pass a count in [1, {w}]")
+    return state_pool.StatePool(None, state_pool.start_rows(rows, num_accepted_tokens), None,
+                                rows)
+
+
 def _check_pool(state_cache, state_indices, has_initial_state, *, bounds, n, what,
                 dims: _Dims, v_first: bool, read_indices=None,
-                write_indices=None) -> state_pool.StatePool | None:
+                write_indices=None, num_accepted_tokens=None) -> state_pool.StatePool | None:
     """The pool's arrays; returns a StatePool (int32 indices) or None.
 
     NumPy indices are checked on the host: with host bounds all N of them,
@@ -415,6 +475,16 @@ def _check_pool(state_cache, state_indices, has_initial_state, *, bounds, n, wha
 
     if has_initial_state is not None:
         _int_vector(has_initial_state, "has_initial_state", n, what, "bool")
+    if state_indices is not None and getattr(state_indices, "ndim", 1) == 2:
+        verify = _check_verify(state_indices, num_accepted_tokens, slots, bounds=bounds, n=n,
+                               what=what)
+        return verify._replace(cache=state_cache, has_initial_state=has_initial_state)
+    if num_accepted_tokens is not None:
+        raise ValueError(
+            "num_accepted_tokens is only used with a speculative-verify state_indices of shape "
+            "[N, 1 + drafts] (one row per token's state), got state_indices of shape "
+            f"{None if state_indices is None else tuple(state_indices.shape)}; pass the "
+            "[N, 1 + drafts] indices, or drop num_accepted_tokens")
     if state_indices is not None:
         return state_pool.StatePool(state_cache, rows(state_indices, "state_indices"),
                                     has_initial_state)
@@ -427,7 +497,7 @@ def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                 use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
                 cu_seqlens, implementation, state_cache=None, state_indices=None,
                 has_initial_state=None, context_devices: int = 1, read_indices=None,
-                write_indices=None):
+                write_indices=None, num_accepted_tokens=None):
     """Validates one call; returns (options, bounds, pool or None).
 
     ``chunk_size``: chunk_kda's, checked (:func:`check_chunk_size`), or None
@@ -459,10 +529,12 @@ def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
     n, what = _sequence_slots(bounds, cu_seqlens)
     _check_initial_state(initial_state, n, what, dims, flags["state_v_first"])
     _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
-                          flags["output_final_state"], read_indices, write_indices)
+                          flags["output_final_state"], read_indices, write_indices,
+                          num_accepted_tokens)
     pool = _check_pool(state_cache, state_indices, has_initial_state, bounds=bounds, n=n,
                        what=what, dims=dims, v_first=flags["state_v_first"],
-                       read_indices=read_indices, write_indices=write_indices)
+                       read_indices=read_indices, write_indices=write_indices,
+                       num_accepted_tokens=num_accepted_tokens)
     opts = KdaOptions(
         scale=float(scale), lower_bound=lower_bound,
         chunk_size=CHUNK_SIZES[-1] if chunk_size is None else chunk_size, **flags,

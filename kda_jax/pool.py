@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["StatePool", "narrow_indices", "read_index", "write_index", "read_states", "write_states",
-           "gather_run_scatter"]
+__all__ = ["StatePool", "narrow_indices", "start_rows", "read_index", "write_index", "token_rows",
+           "read_states", "write_states", "write_rows", "gather_run_scatter"]
 
 
 class StatePool(NamedTuple):
@@ -35,7 +35,9 @@ class StatePool(NamedTuple):
     has_initial_state: bool ``[N]``, or None (every sequence reads its row).
     write_indices: int32 ``[N]``, the row each sequence writes when it is not
       the one it reads (read / write slots, e.g. a cached prefix read and
-      left as it is), negative = none; or None.
+      left as it is), negative = none; or int32 ``[N, W]`` (speculative
+      verify): row ``[n, t]`` receives the state after token t of sequence
+      n, for t < W, and no final state is written separately; or None.
     """
 
     cache: jax.Array
@@ -65,6 +67,18 @@ def narrow_indices(indices, slots: int):
     return xp.where(inside, indices.astype(xp.int32), -1).astype(xp.int32)
 
 
+def start_rows(rows, num_accepted_tokens) -> jax.Array:
+    """int32 ``[N]``: the row each verifying sequence starts from,
+    ``rows[n, num_accepted_tokens[n] - 1]`` (``rows`` ``[N, W]``, the rows of
+    the states after each token of the previous step), and -1 (zeros) where
+    the count is outside [1, W]. Device data: a gather, nothing read back."""
+    w = rows.shape[1]
+    acc = jnp.asarray(num_accepted_tokens).astype(jnp.int32)
+    col = jnp.clip(acc - 1, 0, w - 1)
+    start = jnp.take_along_axis(jnp.asarray(rows), col[:, None], axis=1)[:, 0]
+    return jnp.where((acc >= 1) & (acc <= w), start, -1).astype(jnp.int32)
+
+
 def read_index(pool: StatePool) -> jax.Array:
     """int32 ``[N]``: the row each sequence starts from, -1 where it starts from zeros."""
     if pool.has_initial_state is None:
@@ -75,6 +89,14 @@ def read_index(pool: StatePool) -> jax.Array:
 def write_index(pool: StatePool) -> jax.Array:
     """int32 ``[N]``: the row each sequence's final state goes to, negative for none."""
     return pool.indices if pool.write_indices is None else pool.write_indices
+
+
+def token_rows(pool: StatePool | None) -> jax.Array | None:
+    """int32 ``[N, W]``: the rows of the states after each token (speculative
+    verify), or None when each sequence writes only its final state."""
+    if pool is None or pool.write_indices is None or pool.write_indices.ndim != 2:
+        return None
+    return pool.write_indices
 
 
 def _out_of_range(index: jax.Array, slots: int) -> jax.Array:
@@ -94,9 +116,15 @@ def read_states(pool: StatePool) -> jax.Array:
 def write_states(pool: StatePool, finals: jax.Array) -> jax.Array:
     """The new cache: ``finals`` ``[N, HV, ., .]`` written to each sequence's row;
     padding slots drop their final state."""
-    slots = pool.cache.shape[0]
-    rows = _out_of_range(write_index(pool), slots)
-    return pool.cache.at[rows].set(finals.astype(pool.cache.dtype), mode="drop")
+    return write_rows(pool.cache, write_index(pool), finals)
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, states: jax.Array) -> jax.Array:
+    """``cache`` with ``states`` ``[R, HV, ., .]`` written to ``rows`` ``[R]``,
+    each rounded once to the cache's dtype; a row outside [0, slots) drops
+    its state."""
+    rows = _out_of_range(rows, cache.shape[0])
+    return cache.at[rows].set(states.astype(cache.dtype), mode="drop")
 
 
 def gather_run_scatter(forward, pool: StatePool, q, k, v, g, beta, A_log, dt_bias, *, opts,
@@ -105,6 +133,11 @@ def gather_run_scatter(forward, pool: StatePool, q, k, v, g, beta, A_log, dt_bia
     with the pool's rows gathered as initial states and its final states
     scattered back; returns ``(o, new_cache)``."""
     h0 = read_states(pool)
+    rows = token_rows(pool)
+    if rows is not None:
+        # Verify: the forward writes the state after each token into the cache.
+        return forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts,
+                       token_writes=(pool.cache, rows), **kwargs)
     opts = dataclasses.replace(opts, output_final_state=True)
     o, finals = forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts, **kwargs)
     return o, write_states(pool, finals)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_jax import pool as state_pool
 from kda_jax import transforms, vma
 from kda_jax.batch import VarlenBatch
 from kda_jax.bounds import LaneSchedule, SeqBounds, lane_schedule
@@ -369,9 +370,16 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
 
 
 def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-                            opts: KdaOptions, bounds: SeqBounds | VarlenBatch):
+                            opts: KdaOptions, bounds: SeqBounds | VarlenBatch,
+                            token_writes=None):
     """Token-by-token KDA in jax.numpy: one scan step per token of the longest
-    sequence, all sequences in parallel lanes. Same contract as chunk_kda_xla."""
+    sequence, all sequences in parallel lanes. Same contract as chunk_kda_xla.
+
+    ``token_writes``: None, or ``(cache, rows)`` for a speculative verify
+    (kda_jax.pool.token_rows): the state after token t of sequence n is
+    written into ``cache`` (the pool's layout and dtype) at row ``rows[n, t]``
+    for t < W (none where the row is outside [0, slots)) as the scan goes,
+    and the call returns ``(o, new_cache)``."""
     b, t, _, kd = q.shape
     hv, vd = v.shape[-2:]
     out_dtype = q.dtype
@@ -387,9 +395,26 @@ def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     h_init = _initial_rows(h0, n, hv, kd, vd)
     first = tables["first"].astype(bool)
 
+    live = idx[:, :, 0] < b * t  # [steps, lanes]: the slot holds a token
+    if token_writes is not None:
+        cache, rows = token_writes
+        # Row n (the empty sentinel) writes nothing.
+        rows = jnp.concatenate([rows, jnp.full((1, rows.shape[1]), -1, rows.dtype)])
+
+    def write_token_states(cache, lane, filed, first_s, seq_s, live_s):
+        """The verify's pool writes of one step: each lane's sequence and its
+        token's position in it are carried along the lane."""
+        seq, pos = lane
+        seq = jnp.where(first_s, seq_s, seq)
+        pos = jnp.where(first_s, 0, pos + 1)
+        w = rows.shape[1]
+        row = jnp.where(live_s & (pos < w), rows[seq, jnp.minimum(pos, w - 1)], -1)
+        cache = state_pool.write_rows(cache, row, _finish_state(filed, opts.state_v_first))
+        return cache, (seq, pos)
+
     def step(carry, xs):
-        state, flag, finals = carry
-        q_s, k_s, v_s, g_s, b_s, bad_s, qbad_s, first_s, seq_s, end_s = xs
+        state, flag, finals, writes = carry
+        q_s, k_s, v_s, g_s, b_s, bad_s, qbad_s, first_s, seq_s, end_s, live_s = xs
         state = jnp.where(first_s[:, None, None, None], h_init[seq_s], state)
         state = jnp.exp(g_s)[..., None] * state
         kv = jnp.einsum("lhk,lhkv->lhv", k_s, state, precision=_HI)
@@ -403,17 +428,26 @@ def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
         filed = jnp.where(flag[..., None, None], jnp.nan, state)
         # Lanes whose sequence ends here file its state; others write row N.
         finals = finals.at[end_s].set(filed) if opts.output_final_state else finals
-        return (state, flag, finals), o_s
+        if token_writes is not None:
+            writes = write_token_states(*writes, _poison(filed, tables), first_s, seq_s,
+                                        live_s)
+        return (state, flag, finals, writes), o_s
 
     state0 = jnp.zeros((lanes, hv, kd, vd), jnp.float32)
     flag0 = jnp.zeros((lanes, hv), bool)
     finals0 = h_init if opts.output_final_state else jnp.zeros((0,), jnp.float32)
-    xs = (q, k, v, g, beta, poison, q_bad, first, tables["seq_of_slot"], tables["seq_ending"])
+    writes0 = ()
+    if token_writes is not None:
+        writes0 = (cache, (jnp.full((lanes,), n, jnp.int32), jnp.zeros((lanes,), jnp.int32)))
+    xs = (q, k, v, g, beta, poison, q_bad, first, tables["seq_of_slot"], tables["seq_ending"],
+          live)
     # Inside shard_map the carry varies over the mesh axes its inputs vary over.
-    init = vma.like((state0, flag0, finals0), xs, h_init)
-    (_, _, finals), o = jax.lax.scan(step, init, xs)
+    init = vma.like((state0, flag0, finals0, writes0), xs, h_init)
+    (_, _, finals, writes), o = jax.lax.scan(step, init, xs)
     o = _scatter_tokens(o[:, :, None], tables["slot_of_token"])
     o = _poison(o.reshape(b, t, hv, vd), tables).astype(out_dtype)
+    if token_writes is not None:
+        return o, writes[0]
     if not opts.output_final_state:
         return o, None
     return o, _finish_state(_poison(finals[:n], tables), opts.state_v_first)

@@ -28,6 +28,10 @@ n_tokens), which belong to no sequence.
 State rows: without INDEXED_STATE sequence n reads h0[n] and writes ht[n].
 With INDEXED_STATE (a paged state pool) it reads h0[read_idx[n]] and writes
 ht[write_idx[n]]; an index outside [0, slots) reads zeros / writes nothing.
+With WRITE_COLUMNS = W > 0 (a speculative verify) write_idx is [N, W] and the
+state after token t (t < W) is written to ht[write_idx[n, t]] instead of a
+final state: every draft's state lands in a row, and the next step starts
+from the row of the last accepted token.
 The pool is passed as h0 and aliased to ht, so rows no sequence names keep
 their contents.
 
@@ -89,7 +93,7 @@ def kda_fused_recurrent_kernel(
     HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr, WRITE_COLUMNS: tl.constexpr,
     UNIFORM: tl.constexpr, SEQ_LEN: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     # V blocks first: the programs that share a state's rows run together.
@@ -107,7 +111,7 @@ def kda_fused_recurrent_kernel(
             o, ht, i_n, i_hv, bos, eos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM,
             USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID,
             BETA_SCALE, USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE,
-            UNIFORM, SEQ_LEN, LOOP_STAGES)
+            WRITE_COLUMNS, UNIFORM, SEQ_LEN, LOOP_STAGES)
     else:
         # The tail program of a bucketed batch: o = 0 on rows [bos, n_tokens).
         store_zero_rows(o, bos, n_tokens, i_hv, o_v, m_v, HV, V, TAIL_ROWS, BV)
@@ -123,7 +127,7 @@ def _recurrent_sequence(
     HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr, WRITE_COLUMNS: tl.constexpr,
     UNIFORM: tl.constexpr, SEQ_LEN: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """Sequence i_n's tokens in order (kda_fused_recurrent_kernel's body)."""
@@ -160,7 +164,7 @@ def _recurrent_sequence(
     # A software-pipelined loop: the next token's loads are issued before this
     # token's update, which hides the latency of loads that wait on bounds
     # read from metadata (docs/tuning.md, decode).
-    for _ in tl.range(0, eos - bos, num_stages=LOOP_STAGES):
+    for i_t in tl.range(0, eos - bos, num_stages=LOOP_STAGES):
         b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32)
         b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
         b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
@@ -215,6 +219,12 @@ def _recurrent_sequence(
             b_h += b_k[:, None] * b_v[None, :]
             b_o = tl.sum(b_h * b_q[:, None], axis=0) * SCALE
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        if WRITE_COLUMNS > 0:
+            # A verify: the state after token i_t goes to its own pool row.
+            if i_t < WRITE_COLUMNS:
+                i_wt = tl.load(write_idx + i_n * WRITE_COLUMNS + i_t)
+                store_state_row(ht, b_h, i_wt, slots, i_hv, o_s, m_kv, HV, K, V, True,
+                                INDEXED_STATE)
 
         p_q += H * K
         p_k += H * K

@@ -337,7 +337,7 @@ ERROR_CASES = [
      r"with slots >= 1, got \(0, 2, 32, 32\)"),
     ("indices-length", dict(state_indices=np.array([0, 1], np.int32)), ValueError,
      r"state_indices must have shape \(3,\) \[N\].*N = B = 3, got \(2,\)"),
-    ("indices-rank2", dict(state_indices=np.zeros((3, 1), np.int32)), ValueError,
+    ("indices-rank3", dict(state_indices=np.zeros((3, 1, 1), np.int32)), ValueError,
      r"state_indices must have shape \(3,\)"),
     ("indices-float", dict(state_indices=np.array([0.0, 1.0, 2.0])), TypeError,
      r"state_indices must be an int32 array \[N\], got dtype float64"),

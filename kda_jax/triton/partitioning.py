@@ -106,7 +106,8 @@ def _leaf_roles(name: str, value) -> list:
     if isinstance(value, StatePool):
         return [ROLES["cache"], ROLES["indices"]] + (
             [] if value.has_initial_state is None else [ROLES["has_initial_state"]]) + (
-            [] if value.write_indices is None else [ROLES["indices"]])
+            [] if value.write_indices is None
+            else [ROLES["indices"] + (None,) * (value.write_indices.ndim - 1)])
     if isinstance(value, VarlenBatch):
         return [ROLES["metadata"]]
     return [ROLES[name]]

@@ -35,12 +35,13 @@ _META_CHUNK = 64
 def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                          config: RecurrentConfig, has_a_log: bool, has_dt_bias: bool,
                          has_initial_state: bool, indexed_state: bool,
-                         uniform_len: int | None = None) -> dict:
+                         uniform_len: int | None = None, write_columns: int = 0) -> dict:
     """The kernel's constexprs for these shapes, options and config (the one
     place they are derived). ``uniform_len``: every sequence has this many
     tokens (host bounds; the kernel then loads no bound), None: varlen. The
     V block: ``block_v_wide`` past K = 128, else ``block_v_bounds`` when the
-    bounds are loaded, else ``block_v``."""
+    bounds are loaded, else ``block_v``. ``write_columns``: W of a verify's
+    ``[N, W]`` write rows (the state after each token), 0 otherwise."""
     if kd > 128:
         block_v = config.block_v_wide
     elif uniform_len is None:
@@ -53,9 +54,10 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         BV=min(next_pow2(max(vd, 8)), block_v),
         **transform_constexprs(opts, has_a_log=has_a_log, has_dt_bias=has_dt_bias),
         USE_INITIAL_STATE=has_initial_state or indexed_state,
-        STORE_FINAL_STATE=opts.output_final_state or indexed_state,
+        STORE_FINAL_STATE=(opts.output_final_state or indexed_state) and not write_columns,
         STATE_V_FIRST=opts.state_v_first,
         INDEXED_STATE=indexed_state,
+        WRITE_COLUMNS=write_columns,
         UNIFORM=uniform_len is not None,
         SEQ_LEN=uniform_len or 0,
         LOOP_STAGES=config.stages,
@@ -141,15 +143,14 @@ def _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, *, opts: KdaOptions
     q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
 
     indexed = pool is not None
+    state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
+    st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
     spec = recurrent_launch(
         h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         has_initial_state=initial_state is not None, indexed_state=indexed,
-        uniform_len=meta.uniform_len,
+        uniform_len=meta.uniform_len, write_columns=st.write_columns,
     )
-    state_shape = (n, hv, vd, kd) if opts.state_v_first else (n, hv, kd, vd)
-    st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
-
     out = launch_kernel(
         spec,
         inputs=dict(q=q, k=k, v=v, g=g, beta=beta,

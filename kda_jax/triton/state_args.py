@@ -20,7 +20,9 @@ class KernelStates(NamedTuple):
     final states (kernels/state_io.py): ``h0, read_idx, write_idx, slots``,
     the state output's shape and dtype (a pool's own, which may be 16-bit:
     kernels/state_io.py computes in float32 and rounds once on the store), and
-    whether that output is h0's buffer (a pool, aliased) or a fresh array."""
+    whether that output is h0's buffer (a pool, aliased) or a fresh array.
+    ``write_columns``: W when ``write_idx`` is a verify's ``[N, W]`` rows of
+    the states after each token (flattened), else 0."""
 
     h0: jax.Array
     read_idx: jax.Array
@@ -29,6 +31,7 @@ class KernelStates(NamedTuple):
     ht_shape: tuple
     ht_dtype: np.dtype
     aliased: bool
+    write_columns: int = 0
 
 
 def kernel_states(pool: StatePool | None, initial_state, state_shape: tuple,
@@ -38,8 +41,10 @@ def kernel_states(pool: StatePool | None, initial_state, state_shape: tuple,
     ``state_shape`` output (a stand-in without ``output_final_state``)."""
     no_index = stand_in(np.int32)
     if pool is not None:
-        return KernelStates(pool.cache, read_index(pool), write_index(pool), pool.cache.shape[0],
-                            tuple(pool.cache.shape), np.dtype(pool.cache.dtype), True)
+        write = write_index(pool)
+        return KernelStates(pool.cache, read_index(pool), write.reshape(-1), pool.cache.shape[0],
+                            tuple(pool.cache.shape), np.dtype(pool.cache.dtype), True,
+                            write.shape[1] if write.ndim == 2 else 0)
     h0 = stand_in() if initial_state is None else initial_state.astype(jnp.float32)
     return KernelStates(h0, no_index, no_index, 0,
                         tuple(state_shape) if output_final_state else (4,),
