@@ -453,3 +453,58 @@ def test_decode_after_prefill_poisons_what_one_prefill_does(monkeypatch):
         assert np.isnan(h[:2]).all()
         np.testing.assert_allclose(h[2], np.asarray(whole_clean.recurrent)[2], rtol=1e-5,
                                    atol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# Speculative verify: the conv and KDA states roll back together.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_verify_equals_one_token_steps(implementation, check_close):
+    """layer.verify on 1 + S tokens: y and every kept row (conv and KDA) are
+    those of one-token steps from the accepted row's states, and the
+    transcription's; rows no token names are unchanged."""
+    layer = make_layer(implementation)
+    n, w, slots = 3, 3, 12
+    pool = random_cache(slots, seed=5)
+    rows = np.array([[0, 1, 2], [3, -1, 5], [6, 7, 8]], np.int32)
+    acc = np.array([2, 1, 3], np.int32)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((n, w, HIDDEN)), jnp.float32)
+    verify = jax.jit(lambda x, c, a: layer.verify(x, cache=c, num_accepted_tokens=a))
+    y, new = verify(x, pool.at(jnp.asarray(rows)), jnp.asarray(acc))
+    assert new.state_indices.shape == (n, w)
+
+    start = rows[np.arange(n), acc - 1]
+    dense = KDACache(*(a[start] for a in pool[:4]))
+    want_y, _ = transcribe(to_fla_state_dict(layer), x.reshape(n * w, HIDDEN), [w] * n, dense)
+    check_close(y.reshape(n * w, HIDDEN), want_y, "float32", "y")
+    ys, fields = [], ("conv_q", "conv_k", "conv_v", "recurrent")
+    for t in range(w):
+        y_t, dense = call(layer, x[:, t:t + 1], cache=dense)
+        ys.append(y_t)
+        for i in np.flatnonzero(rows[:, t] >= 0):
+            for name in fields:
+                np.testing.assert_allclose(
+                    np.asarray(getattr(new, name)[rows[i, t]]),
+                    np.asarray(getattr(dense, name)[i]), rtol=1e-6, atol=1e-7,
+                    err_msg=f"{name} after token {t} of sequence {i}")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.concatenate(ys, axis=1)),
+                               rtol=1e-6, atol=1e-7)
+    for name in fields:
+        got, before = np.asarray(getattr(new, name)), np.asarray(getattr(pool, name))
+        np.testing.assert_array_equal(got[9:], before[9:], err_msg=name)
+        np.testing.assert_array_equal(got[4], before[4], err_msg=name)  # the -1 column
+
+
+def test_verify_errors():
+    layer = make_layer()
+    pool = random_cache(8)
+    x = jnp.zeros((2, 3, HIDDEN), jnp.float32)
+    with pytest.raises(ValueError, match=r"state_indices are \[N, 1 \+ S\] = \(2, 3\)"):
+        layer.verify(x, cache=pool.at(np.array([0, 1], np.int32)))
+    with pytest.raises(ValueError, match=r"state_indices are \[N, 1 \+ S\] = \(2, 3\)"):
+        layer.verify(x, cache=pool.at(np.zeros((2, 2), np.int32)))
+    with pytest.raises(ValueError, match=r"num_accepted_tokens\[1\]=4 is outside \[1, 3\]"):
+        layer.verify(x, cache=pool.at(np.arange(6, dtype=np.int32).reshape(2, 3)),
+                     num_accepted_tokens=np.array([1, 4], np.int32))

@@ -291,41 +291,16 @@ class KimiDeltaAttention(nnx.Module):
         Returns:
           y ``[B, T, hidden]``; with a cache ``(y, new_cache)``.
         """
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"x must be an array [B, T, hidden], got {type(x).__name__}")
-        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must be [B, T, hidden_size={self.hidden_size}], got shape "
-                             f"{tuple(x.shape)}")
-        if np.dtype(x.dtype) not in _FLOAT:
-            raise TypeError(f"x must be bf16, fp16 or fp32, got {np.dtype(x.dtype)}")
+        self._check_x(x)
         conv_bounds, kda_bounds, n, what = self._bounds(x, cu_seqlens)
         if cache is not None:
             self._check_cache(cache, n, what)
         b, t, _ = x.shape
-        rows = b * t
-        layout = (token_layout(conv_bounds, rows)
+        layout = (token_layout(conv_bounds, b * t)
                   if self.use_short_conv and conv_bounds is not None else None)
-        flat = x.reshape(rows, self.hidden_size)
-
-        q, conv_q = self._convolve(self.q_conv1d, self.q_proj(flat), layout, cache, "conv_q",
-                                   kda_bounds)
-        k, conv_k = self._convolve(self.k_conv1d, self.k_proj(flat), layout, cache, "conv_k",
-                                   kda_bounds)
-        v, conv_v = self._convolve(self.v_conv1d, self.v_proj(flat), layout, cache, "conv_v",
-                                   kda_bounds)
-        # Head counts spelled out: a reshape with -1 cannot infer them when
-        # B * T = 0.
-        heads = lambda a, n, d: a.reshape(b, t, n, d)
-        q, k = heads(q, self.num_heads, self.head_dim), heads(k, self.num_heads, self.head_dim)
-        v = heads(v, self.num_v_heads, self.head_v_dim)
-        g = heads(self.f_proj(flat), self.num_v_heads, self.head_dim)
-        beta = self.b_proj(flat).reshape(b, t, self.num_v_heads)
-
-        kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                  A_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=self.lower_bound,
-                  use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
-                  state_v_first=self.state_v_first, cu_seqlens=kda_bounds,
-                  implementation=self.implementation)
+        convolve = lambda conv, rows, field: self._convolve(conv, rows, layout, cache, field,
+                                                            kda_bounds)
+        kw = dict(cu_seqlens=kda_bounds)
         if cache is not None:
             if cache.is_pool:
                 kw.update(state_cache=cache.recurrent, state_indices=cache.state_indices,
@@ -336,18 +311,107 @@ class KimiDeltaAttention(nnx.Module):
         recurrent = self.mode == "fused_recurrent" or (
             cache is not None and longest <= RECURRENT_MAX_TOKENS)
         if recurrent:
-            o, state = kda_jax.fused_recurrent_kda(q, k, v, g, beta, **kw)
+            kda = kda_jax.fused_recurrent_kda
         else:
             chunk = (kda_bounds.bucket.chunk_size if isinstance(kda_bounds, VarlenBatch)
                      else self.chunk_size)
-            o, state = kda_jax.chunk_kda(q, k, v, g, beta, chunk_size=chunk, **kw)
-
-        gate = heads(self.g_proj(flat), self.num_v_heads, self.head_v_dim)
-        o = self.o_norm(o, gate).reshape(rows, self.value_dim)
-        y = self.o_proj(o).reshape(b, t, self.hidden_size)
+            kda = lambda *a, **k: kda_jax.chunk_kda(*a, chunk_size=chunk, **k)
+        y, convs, state = self._mix(x, convolve, kda, kw)
         if cache is None:
             return y
         has = cache.has_initial_state
-        new = KDACache(conv_q, conv_k, conv_v, state, cache.state_indices,
-                       None if has is None else jnp.ones_like(has))
-        return y, new
+        return y, KDACache(*convs, state, cache.state_indices,
+                           None if has is None else jnp.ones_like(has))
+
+    def verify(self, x: jax.Array, *, cache: KDACache, num_accepted_tokens=None):
+        """A speculative-verify step: N sequences of 1 + S tokens each (the last
+        accepted token and S drafts), token by token.
+
+        Args:
+          x: ``[N, 1 + S, hidden]``.
+          cache: a pool, ``cache.at(state_indices)`` with ``state_indices``
+            int32 ``[N, 1 + S]``: sequence n starts from the conv and KDA
+            states of row ``state_indices[n, num_accepted_tokens[n] - 1]``
+            and the states after its token t go to row ``state_indices[n,
+            t]`` (-1: not kept), in every array of the cache. So the conv
+            states roll back with the KDA state: each row holds the last W - 1
+            inputs up to its token.
+          num_accepted_tokens: int32 ``[N]`` in [1, 1 + S] (None: column 0),
+            as :func:`kda_jax.fused_recurrent_kda` takes it.
+
+        Returns:
+          ``(y [N, 1 + S, hidden], new_cache)``; y is what 1 + S one-token
+          steps in turn give.
+        """
+        self._check_x(x)
+        n, w, _ = x.shape
+        idx = cache.state_indices if isinstance(cache, KDACache) else None
+        if getattr(idx, "ndim", None) != 2 or tuple(idx.shape) != (n, w):
+            got = None if idx is None else tuple(getattr(idx, "shape", ()))
+            raise ValueError(
+                f"verify needs a pool cache whose state_indices are [N, 1 + S] = ({n}, {w}) for "
+                f"x of shape {tuple(x.shape)}, got state_indices of shape {got}; pass "
+                "cache.at(state_indices) with one row per token's states")
+        self._check_cache(cache, n, "B")
+        layout = (token_layout(SeqBounds.from_lengths(np.full(n, w, np.int64)), n * w)
+                  if self.use_short_conv else None)
+        start = (jnp.asarray(idx)[:, 0] if num_accepted_tokens is None
+                 else state_pool.start_rows(idx, num_accepted_tokens))
+
+        def convolve(conv, rows, field):
+            if conv is None:
+                return jax.nn.silu(rows), None
+            states = getattr(cache, field)
+            read = state_pool.StatePool(states, state_pool.narrow_indices(start, states.shape[0]),
+                                        cache.has_initial_state)
+            init = state_pool.read_states(read).astype(rows.dtype)
+            y = conv(rows, layout, init)[0]
+            # Each token's conv state: the W - 1 inputs up to it, oldest first.
+            full = jnp.concatenate([init, rows.reshape(n, w, -1)], axis=1)
+            span = states.shape[1]
+            windows = jnp.stack([full[:, i + 1:i + 1 + span] for i in range(w)], axis=1)
+            return y, state_pool.write_rows(states, jnp.asarray(idx).reshape(-1),
+                                            windows.reshape((n * w,) + states.shape[1:]))
+
+        kw = dict(state_cache=cache.recurrent, state_indices=idx,
+                  num_accepted_tokens=num_accepted_tokens,
+                  has_initial_state=cache.has_initial_state)
+        y, convs, state = self._mix(x, convolve, kda_jax.fused_recurrent_kda, kw)
+        has = cache.has_initial_state
+        return y, KDACache(*convs, state, idx, None if has is None else jnp.ones_like(has))
+
+    def _check_x(self, x):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"x must be an array [B, T, hidden], got {type(x).__name__}")
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [B, T, hidden_size={self.hidden_size}], got shape "
+                             f"{tuple(x.shape)}")
+        if np.dtype(x.dtype) not in _FLOAT:
+            raise TypeError(f"x must be bf16, fp16 or fp32, got {np.dtype(x.dtype)}")
+
+    def _mix(self, x, convolve, kda, kw):
+        """(y, (conv_q, conv_k, conv_v), KDA state): the projections, each
+        through ``convolve(conv, rows, field) -> (rows, new conv state)``,
+        then ``kda(q, k, v, g, beta, **the layer's options, **kw)``."""
+        b, t, _ = x.shape
+        rows = b * t
+        flat = x.reshape(rows, self.hidden_size)
+        q, conv_q = convolve(self.q_conv1d, self.q_proj(flat), "conv_q")
+        k, conv_k = convolve(self.k_conv1d, self.k_proj(flat), "conv_k")
+        v, conv_v = convolve(self.v_conv1d, self.v_proj(flat), "conv_v")
+        # Head counts spelled out: a reshape with -1 cannot infer them when
+        # B * T = 0.
+        heads = lambda a, n, d: a.reshape(b, t, n, d)
+        q, k = heads(q, self.num_heads, self.head_dim), heads(k, self.num_heads, self.head_dim)
+        v = heads(v, self.num_v_heads, self.head_v_dim)
+        g = heads(self.f_proj(flat), self.num_v_heads, self.head_dim)
+        beta = self.b_proj(flat).reshape(b, t, self.num_v_heads)
+        o, state = kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                       A_log=self.A_log[...], dt_bias=self.dt_bias[...],
+                       lower_bound=self.lower_bound, use_beta_sigmoid_in_kernel=True,
+                       allow_neg_eigval=self.allow_neg_eigval,
+                       state_v_first=self.state_v_first, implementation=self.implementation,
+                       **kw)
+        gate = heads(self.g_proj(flat), self.num_v_heads, self.head_v_dim)
+        o = self.o_norm(o, gate).reshape(rows, self.value_dim)
+        return self.o_proj(o).reshape(b, t, self.hidden_size), (conv_q, conv_k, conv_v), state
