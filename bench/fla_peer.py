@@ -288,13 +288,15 @@ def serving_job(job):
         yield {"implementation": name, "ms": ms, "host_ms": host_ms, "syncs_per_step": _syncs(call)}
 
 
-def decode_calls(n, h, d):
+def decode_calls(n, h, d, drafts=3):
     """fla's decode steps over ``n`` one-token sequences: {form: call(i)}. "dense":
     [N, 1] tokens, a float32 initial state and a new final state (the public
     fused_recurrent_kda); "pool": packed [1, N] tokens with device cu_seqlens, the
     states read from and written to a pool's rows in place through
     ssm_state_indices (fla's internal fused_recurrent_kda_fwd: the public function
-    has no pool)."""
+    has no pool); "pool bf16": the same over a bfloat16 pool; "verify": N
+    sequences of 1 + drafts tokens, ssm_state_indices [N, 1 + drafts] and
+    num_accepted_tokens [N] (vLLM's speculative verify), a float32 pool."""
     import torch
     from fla.ops.kda import fused_recurrent_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -302,14 +304,25 @@ def decode_calls(n, h, d):
     x = _inputs(1, n, h, d, d, seed=1)
     dense = [y.reshape((n, 1) + y.shape[2:]) for y in x]
     h0 = torch.zeros((n, h, d, d), device="cuda")
-    pool = torch.zeros((n, h, d, d), device="cuda")
+    pools = {dt: torch.zeros((n, h, d, d), device="cuda", dtype=dt)
+             for dt in (torch.float32, torch.bfloat16)}
     idx = torch.arange(n, device="cuda", dtype=torch.int32)
     cu = torch.arange(n + 1, device="cuda", dtype=torch.long)
+    w = 1 + drafts
+    xv = _inputs(1, n * w, h, d, d, seed=2)
+    vpool = torch.zeros((n * w, h, d, d), device="cuda")
+    vidx = torch.arange(n * w, device="cuda", dtype=torch.int32).reshape(n, w)
+    vacc = (torch.arange(n, device="cuda", dtype=torch.int32) % w) + 1
+    vcu = torch.arange(n + 1, device="cuda", dtype=torch.long) * w
+    pool_step = lambda pool: lambda i: fused_recurrent_kda_fwd(
+        *x, initial_state=pool, inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx)
     return {
         "dense": lambda i: fused_recurrent_kda(*dense, initial_state=h0, output_final_state=True),
-        "pool": lambda i: fused_recurrent_kda_fwd(*x, initial_state=pool,
-                                                  inplace_final_state=True, cu_seqlens=cu,
-                                                  ssm_state_indices=idx),
+        "pool": pool_step(pools[torch.float32]),
+        "pool bf16": pool_step(pools[torch.bfloat16]),
+        "verify": lambda i: fused_recurrent_kda_fwd(
+            *xv, initial_state=vpool, inplace_final_state=True, cu_seqlens=vcu,
+            ssm_state_indices=vidx, num_accepted_tokens=vacc),
     }
 
 
@@ -317,7 +330,7 @@ _DECODE_CACHE: dict = {}
 
 
 def decode_job(job):
-    key = (job["n"], job["heads"], job["head_dim"])
+    key = (job["n"], job["heads"], job["head_dim"], job.get("drafts", 3))
     if key not in _DECODE_CACHE:  # rounds ask again and again: inputs made once
         _DECODE_CACHE[key] = decode_calls(*key)
     calls = _DECODE_CACHE[key]
