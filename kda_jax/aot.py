@@ -99,7 +99,16 @@ _LDS_LIMIT = {"gfx950": 160 * 1024, "gfx1250": 320 * 1024, "gfx942": 64 * 1024,
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One specialization: head dims, input dtype, chunk size and flag set."""
+    """One specialization: head dims, input dtype, chunk size, flag set and
+    the state pool's dtype.
+
+    ``state`` is the dtype of the state buffer of the kernels that read and
+    write a pool (:data:`POOL_KERNELS`; the other kernels ignore it): "fp32",
+    or "bf16", a bfloat16 pool (computed on in float32, each stored tile
+    rounded by kernels/state_io._rounded), which the forward's state pass then
+    reads indexed, since a 16-bit state is only ever a pool's. At "fp32" the
+    forward's state pass compiles dense float32 states and the decode kernel's
+    "all" flags a float32 pool."""
 
     shape: str
     K: int
@@ -109,10 +118,12 @@ class Spec:
     flags: str  # "default" or "all"
     H: int = 16
     HV: int = 16
+    state: str = "fp32"
 
     @property
     def name(self) -> str:
-        return f"{self.shape}/c{self.chunk}/{self.flags}"
+        pool = "" if self.state == "fp32" else f"/{self.state}-pool"
+        return f"{self.shape}/c{self.chunk}/{self.flags}{pool}"
 
 
 #        shape     K    V    dtype
@@ -125,8 +136,21 @@ CHUNKS = (64, 32)
 # "all": l2norm, gate with A_log + dt_bias, lower_bound, beta sigmoid, negative
 # eigenvalues, V-first state, initial and final state.
 FLAG_SETS = ("default", "all")
+# The kernels whose state buffer may be a 16-bit pool (Spec.state).
+POOL_KERNELS = ("kda_fwd_state_output_kernel", "kda_fused_recurrent_kernel")
+# The spec whose pool is bfloat16 (the rounding store compiled on every
+# target): one existing spec rather than new rows, a CI-time budget; its
+# decode kernel no longer shares main/c32/all's binary (the one extra compile
+# per target), and main/c32/all keeps the float32 forms at the main shape.
+BF16_POOL_SPEC = ("main", 64, "all")
 
-SPECS = tuple(Spec(shape, kd, vd, dt, bt, fl)
+
+def _spec(shape, kd, vd, dt, bt, fl) -> Spec:
+    state = "bf16" if (shape, bt, fl) == BF16_POOL_SPEC else "fp32"
+    return Spec(shape, kd, vd, dt, bt, fl, state=state)
+
+
+SPECS = tuple(_spec(shape, kd, vd, dt, bt, fl)
               for (shape, kd, vd, dt), bt, fl in itertools.product(SHAPES, CHUNKS, FLAG_SETS))
 
 
@@ -168,9 +192,9 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
     spec's chunk size does not apply; "default" flags compile the uniform
     one-token form of a dense decode step with a float32 initial and final
     state, as a decode loop runs it, "all" flags the varlen form with the
-    state pool: at chunk 64 writing final states, at chunk 32 (which the
-    kernel would otherwise compile identically) a speculative verify of 1 + 3
-    tokens writing the state after each)."""
+    state pool of the spec's state dtype: at chunk 64 writing final states,
+    at chunk 32 (which the kernel would otherwise compile identically) a
+    speculative verify of 1 + 3 tokens writing the state after each)."""
     import dataclasses
 
     from kda_jax.configs import recurrent_config
@@ -289,18 +313,20 @@ def _launch_for(kernel: str, target: str, spec: Spec):
     prep, state = forward_launches(
         h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config, work=work,
         has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0,
+        indexed_state=spec.state != "fp32",
     )
     launch = {prep.kernel: prep, state.kernel: state}[kernel]
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
-def _signature(fn, function: str, in_dtype: str, work: str, constexprs: dict):
+def _signature(fn, function: str, in_dtype: str, work: str, constexprs: dict,
+               state: str = "fp32"):
     """(signature, attrs) for ASTSource from the kernel's signature table
-    (kda_jax.kernels.signatures), checked against its parameters; ``in_dtype``
-    and ``work`` are Triton type names ("bf16", "fp32") of the "in" and "work"
-    arrays; "state" arrays are compiled as float32 (a 16-bit pool changes only the
-    state rows' load and store). A function of its arguments only:
-    :func:`_binary_key` relies on it."""
+    (kda_jax.kernels.signatures), checked against its parameters; ``in_dtype``,
+    ``work`` and ``state`` are Triton type names ("bf16", "fp32") of the "in",
+    "work" and "state" arrays (a 16-bit pool changes only the state rows' load
+    and store). A function of its arguments only: :func:`plan_one`'s binary
+    key relies on it."""
     from kda_jax.kernels.signatures import SIGNATURES
     from kda_jax.triton.launch import runtime_params
 
@@ -322,7 +348,7 @@ def _signature(fn, function: str, in_dtype: str, work: str, constexprs: dict):
             signature[p.name] = "constexpr"
             continue
         kind = kinds[p.name]
-        ty = {"in": "*" + in_dtype, "work": "*" + work, "state": "*fp32"}.get(kind, kind)
+        ty = {"in": "*" + in_dtype, "work": "*" + work, "state": "*" + state}.get(kind, kind)
         signature[p.name] = ty
         # jax-triton 0.3.1: arrays are assumed 16-byte aligned, scalars unspecialized.
         attrs[(i,)] = [["tt.divisibility", 16]] if ty.startswith("*") else []
@@ -462,7 +488,8 @@ def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
     # The backward casts its inputs to float32 with float32 intermediates.
     # (BWD_KERNELS and the segmented backward's state passes: the kda_bwd_ names.)
     in_dtype = "fp32" if kernel.startswith("kda_bwd_") and work == "fp32" else spec.dtype
-    signature, attrs = _signature(fn, name, in_dtype, work, launch.constexprs)
+    state = spec.state if kernel in POOL_KERNELS else "fp32"
+    signature, attrs = _signature(fn, name, in_dtype, work, launch.constexprs, state)
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
                    enable_fp_fusion=True, debug=False)  # as jax-triton compiles
     return fn, signature, attrs, options

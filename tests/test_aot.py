@@ -54,6 +54,20 @@ def test_compile_reports_matrix_ops(rows, target):
         assert all(op.startswith(("HGMMA.", "HMMA.")) for op in row["sass_matrix_ops"])
 
 
+def test_one_spec_compiles_the_bf16_state_pool():
+    # The pool kernels' rounding store (kernels/state_io._rounded) compiles at
+    # one existing spec: no extra rows. main/c32/all keeps the float32 forms.
+    by_name = {s.name: s for s in aot.SPECS}
+    assert [s.name for s in aot.SPECS if s.state != "fp32"] == ["main/c64/all/bf16-pool"]
+    assert len(aot.SPECS) == len(aot.SHAPES) * len(aot.CHUNKS) * len(aot.FLAG_SETS)
+    indexed = lambda kernel, name: aot._launch_for(kernel, "sm90", by_name[name])[
+        0].constexprs["INDEXED_STATE"]
+    for kernel in aot.POOL_KERNELS:
+        assert indexed(kernel, "main/c64/all/bf16-pool"), kernel
+    assert not indexed("kda_fwd_state_output_kernel", "main/c32/all")
+    assert indexed("kda_fused_recurrent_kernel", "main/c32/all")  # a float32 pool
+
+
 # --------------------------------------------------------------------------- #
 # The matrix-op parser, loop trip counts and costs (kda_jax.aot_isa), on small
 # hand-written assembly in the form LLVM prints.

@@ -127,10 +127,11 @@ def _close(check_close, got: KDACache, want: KDACache, what):
                     kind="state")
 
 
-def _prefill_then_decode(call, layer, x, n):
+def _prefill_then_decode(call, layer, x, n, cache=None):
     """(y [B, T, hidden], cache): the first n tokens of x [B, T, hidden] as one prefill
-    from a fresh cache, then one jitted decode step per token."""
-    y, cache = call(layer, x[:, :n], cache=layer.init_cache(x.shape[0]))
+    from ``cache`` (default: a fresh one), then one jitted decode step per token."""
+    cache = layer.init_cache(x.shape[0]) if cache is None else cache
+    y, cache = call(layer, x[:, :n], cache=cache)
     ys = [y]
     step = jax.jit(lambda x, c: layer(x, cache=c))
     for t in range(n, x.shape[1]):
@@ -350,6 +351,47 @@ def test_dense_cache_keeps_its_dtypes_in_a_decode_loop():
     out = jax.jit(lambda c: jax.lax.fori_loop(0, 2, body, c))(cache)
     assert [a.dtype for a in out[:4]] == [jnp.float32] * 4
     assert layer.init_cache(1).conv_q.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("form,implementation", [("dense", "xla"), ("pool", "xla"),
+                                                 ("pool", "triton")])
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_state_cache_prefill_then_decode(form, implementation, state_dtype,
+                                                check_close):
+    """A 16-bit KDA state (init_cache(state_dtype=...)), dense or a pool,
+    against the same steps with a float32 one: the prefill's states are the
+    float32 cache's rounded once, bit for bit; y and the final states within
+    the dtype's tolerance; the state keeps its dtype from step to step."""
+    layer = make_layer(implementation)
+    x = _inputs(16).reshape(2, 8, HIDDEN)
+    idx = np.array([3, 1], np.int32)
+
+    def cache(dtype):
+        if form == "dense":
+            return layer.init_cache(2, state_dtype=dtype)
+        return layer.init_cache(4, state_dtype=dtype).at(jnp.asarray(idx))
+
+    def states(c):
+        return c.recurrent if form == "dense" else c.recurrent[idx]
+
+    name = jnp.dtype(state_dtype).name
+    _, first32 = call(layer, x[:, :5], cache=cache(jnp.float32))
+    _, first16 = call(layer, x[:, :5], cache=cache(state_dtype))
+    assert first16.recurrent.dtype == state_dtype
+    np.testing.assert_array_equal(np.asarray(states(first16)),
+                                  np.asarray(states(first32).astype(state_dtype)))
+    y32, last32 = _prefill_then_decode(call, layer, x, 5, cache(jnp.float32))
+    y16, last16 = _prefill_then_decode(call, layer, x, 5, cache(state_dtype))
+    assert last16.recurrent.dtype == state_dtype and last32.recurrent.dtype == jnp.float32
+    check_close(y16, y32, name, "y 16-bit state")
+    check_close(states(last16), states(last32), name, "recurrent 16-bit state", kind="state")
+    if form == "pool":  # rows no sequence names stay zero
+        np.testing.assert_array_equal(np.asarray(last16.recurrent, np.float32)[[0, 2]], 0)
+
+
+def test_init_cache_rejects_a_non_float_state_dtype():
+    with pytest.raises(TypeError, match="state_dtype=int32 must be float32, bfloat16 or float16"):
+        make_layer().init_cache(2, state_dtype=jnp.int32)
 
 
 # --------------------------------------------------------------------------- #

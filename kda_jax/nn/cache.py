@@ -34,8 +34,11 @@ class KDACache(NamedTuple):
     conv_q, conv_k: ``[rows, W - 1, H * K]``; conv_v: ``[rows, W - 1, HV * V]``,
       in the layer's compute dtype: the last W - 1 projected inputs of each
       sequence, oldest first (None without short convolutions).
-    recurrent: float32 ``[rows, HV, K, V]`` (``[rows, HV, V, K]`` with
-      ``state_v_first``): the KDA state.
+    recurrent: ``[rows, HV, K, V]`` (``[rows, HV, V, K]`` with
+      ``state_v_first``): the KDA state, float32, bfloat16 or float16
+      (``init_cache(n, state_dtype=...)``): computed on in float32, a 16-bit
+      one rounded once per call as it is written back (the kernels round a
+      pool's rows; the layer rounds a dense cache's final states).
     state_indices: None (dense form: rows = N sequences) or int32 ``[N]``
       (serving form: rows = pool slots).
     has_initial_state: bool ``[N]`` or None; serving form only.

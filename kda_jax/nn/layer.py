@@ -180,18 +180,30 @@ class KimiDeltaAttention(nnx.Module):
         kd, vd = self.head_dim, self.head_v_dim
         return (rows, self.num_v_heads) + ((vd, kd) if self.state_v_first else (kd, vd))
 
-    def init_cache(self, num_seqs: int, *, dtype=None) -> KDACache:
+    def init_cache(self, num_seqs: int, *, dtype=None, state_dtype=jnp.float32) -> KDACache:
         """An empty (zero) dense cache of ``num_seqs`` sequences; the same
         arrays serve as a pool of ``num_seqs`` slots through
-        ``cache.at(state_indices)``. ``dtype``: the conv states' (default:
-        the layer's compute dtype, else its parameters'). ``num_seqs = 0``
-        gives the empty cache of a B = 0 input."""
+        ``cache.at(state_indices)``. ``num_seqs = 0`` gives the empty cache of
+        a B = 0 input.
+
+        Args:
+          dtype: the conv states' dtype (default: the layer's compute dtype,
+            else its parameters').
+          state_dtype: the KDA states' (``recurrent``): float32 (default),
+            bfloat16 or float16. A 16-bit state holds twice the sequences in
+            the same memory; the layer computes on it in float32 and rounds
+            each new state once (to nearest even) as it writes it back.
+        """
         num_seqs = _positive(num_seqs, "num_seqs", least=0)
+        if np.dtype(state_dtype) not in _FLOAT:
+            raise TypeError(f"state_dtype={np.dtype(state_dtype)} must be float32, bfloat16 "
+                            "or float16 (the KDA state's storage; it is computed on in "
+                            "float32)")
         dtype = dtype or self.dtype or self.param_dtype
         conv = lambda c: (jnp.zeros((num_seqs, self.conv_size - 1, c), dtype)
                           if self.use_short_conv else None)
         return KDACache(conv(self.key_dim), conv(self.key_dim), conv(self.value_dim),
-                        jnp.zeros(self._state_shape(num_seqs), jnp.float32))
+                        jnp.zeros(self._state_shape(num_seqs), state_dtype))
 
     def _check_cache(self, cache, n: int, what: str):
         if not isinstance(cache, KDACache):
@@ -319,6 +331,11 @@ class KimiDeltaAttention(nnx.Module):
         y, convs, state = self._mix(x, convolve, kda, kw)
         if cache is None:
             return y
+        if not cache.is_pool:
+            # The final states come back float32; a 16-bit dense cache keeps its
+            # dtype (a jitted loop's carry), rounded once here, as a pool's
+            # rows are in the kernels.
+            state = state.astype(cache.recurrent.dtype)
         has = cache.has_initial_state
         return y, KDACache(*convs, state, cache.state_indices,
                            None if has is None else jnp.ones_like(has))
