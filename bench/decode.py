@@ -2,7 +2,7 @@
 
     python -m bench.decode [--sizes 256,1024] [--rounds 0] [--json PATH] [--no-fla]
 
-Two forms over N one-token sequences, H = 32, K = V = 128, bf16 q/k/v:
+Forms over N one-token sequences, H = 32, K = V = 128, bf16 q/k/v:
   dense  [N, 1] tokens, a float32 initial and final state per sequence (fla's
          public fused_recurrent_kda);
   pool   the serving decode: packed [1, N] tokens in a decode bucket
@@ -10,6 +10,11 @@ Two forms over N one-token sequences, H = 32, K = V = 128, bf16 q/k/v:
          (fla: its pool updated in place through ssm_state_indices, device
          cu_seqlens). kda_jax's batch goes to jit as NumPy ("host batch": jit's
          dispatch copies it) or through jax.device_put first.
+  pool bf16  the same over a bfloat16 pool (half the state bytes moved).
+  verify N sequences of 1 + S tokens (--drafts S, default 3): state_indices
+         [N, 1 + S] with num_accepted_tokens [N] (vLLM's speculative verify),
+         the state after every token written to its row; fla's
+         fused_recurrent_kda_fwd with the same ssm_state_indices and counts.
 kda_jax's steps are also timed 8 to a program ("8 in one jit", per step), as a
 model's layers share one program and its host cost. Times per step are wall
 clock as the host sees it (bench.timing); "host ms" is the time to issue a step.
@@ -32,12 +37,13 @@ import sys
 from bench import meta as run_meta
 from bench.inputs import add_step_arguments, make
 
-FORMS = ("dense", "pool")
+FORMS = ("dense", "pool", "pool bf16", "verify")
 
 
-def kda_steps(n, h, d, impl="triton") -> dict:
-    """kda_jax's decode steps over ``n`` one-token sequences (zero float32 states):
-    {(form, name): (call(i), sync(), steps per call)}."""
+def kda_steps(n, h, d, impl="triton", drafts=3) -> dict:
+    """kda_jax's decode steps over ``n`` one-token sequences (zero states):
+    {(form, name): (call(i), sync(), steps per call)}; the verify form runs
+    ``n`` sequences of 1 + drafts tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -56,7 +62,12 @@ def kda_steps(n, h, d, impl="triton") -> dict:
                                                 implementation=impl)
         return o, h0
 
+    def verify_steps(pool, rows, accepted, *x):
+        return kda_jax.fused_recurrent_kda(*x, state_cache=pool, state_indices=rows,
+                                           num_accepted_tokens=accepted, implementation=impl)
+
     pool1 = jax.jit(pool_steps, donate_argnums=0)
+    verify1 = jax.jit(verify_steps, donate_argnums=0)
     pool8 = jax.jit(functools.partial(pool_steps, steps=8), donate_argnums=0)
     dense1 = jax.jit(dense_steps)
     dense8 = jax.jit(functools.partial(dense_steps, steps=8))
@@ -64,14 +75,26 @@ def kda_steps(n, h, d, impl="triton") -> dict:
               for i, y in enumerate(make(1, n, h, d, d, seed=1)))
     bucket, ones = kda_jax.Bucket(n, n, max_len=1), [1] * n
     idx, h0 = jnp.arange(n, dtype=jnp.int32), jnp.zeros((n, h, d, d), jnp.float32)
-    state = {"pool": jnp.zeros((n, h, d, d), jnp.float32)}
+    state = {"pool": jnp.zeros((n, h, d, d), jnp.float32),
+             "pool bf16": jnp.zeros((n, h, d, d), jnp.bfloat16),
+             "verify": jnp.zeros((n * (1 + drafts), h, d, d), jnp.float32)}
+    # The verify: N sequences of 1 + S tokens, [N, 1 + S] rows, the counts
+    # cycling through 1..1 + S (as fla's peer row).
+    w = 1 + drafts
+    xv = tuple(jnp.asarray(y, jnp.bfloat16 if i < 3 else jnp.float32).reshape(
+        (n, w) + y.shape[2:]) for i, y in enumerate(make(1, n * w, h, d, d, seed=2)))
+    rows = jnp.arange(n * w, dtype=jnp.int32).reshape(n, w)
+    accepted = jnp.arange(n, dtype=jnp.int32) % w + 1
 
-    def call_pool(i, put, step):
+    def call_pool(i, put, step, key="pool"):
         batch = put(kda_jax.VarlenBatch.from_lengths(ones, bucket))
-        state["o"], state["pool"] = step(state["pool"], batch, idx, *x)
+        state["o"], state[key] = step(state[key], batch, idx, *x)
+
+    def call_verify(i):
+        state["o"], state["verify"] = verify1(state["verify"], rows, accepted, *xv)
 
     host = lambda b: b
-    sync_pool = lambda: jax.block_until_ready(state["pool"])
+    sync_pool = lambda key="pool": jax.block_until_ready(state[key])
     sync_dense = lambda: jax.block_until_ready(state["ht"])
     return {
         ("pool", "host batch"): (functools.partial(call_pool, put=host, step=pool1), sync_pool, 1),
@@ -79,6 +102,11 @@ def kda_steps(n, h, d, impl="triton") -> dict:
             functools.partial(call_pool, put=jax.device_put, step=pool1), sync_pool, 1),
         ("pool", "host batch, 8 in one jit"): (
             functools.partial(call_pool, put=host, step=pool8), sync_pool, 8),
+        ("pool bf16", "bf16 pool, host batch"): (
+            functools.partial(call_pool, put=host, step=pool1, key="pool bf16"),
+            functools.partial(sync_pool, "pool bf16"), 1),
+        ("verify", f"S={drafts}, [N, {w}] rows"): (
+            call_verify, functools.partial(sync_pool, "verify"), 1),
         ("dense", "one step per call"): (lambda i: state.update(ht=dense1(h0, *x)[1]),
                                          sync_dense, 1),
         ("dense", "8 in one jit"): (lambda i: state.update(ht=dense8(h0, *x)[1]), sync_dense, 8),
@@ -86,7 +114,7 @@ def kda_steps(n, h, d, impl="triton") -> dict:
 
 
 # The kda_jax row each form's rounds time against fla's.
-ROUND_STEP = {"dense": "one step per call", "pool": "host batch"}
+ROUND_STEP = {"dense": "one step per call", "pool": "host batch", "pool bf16": "bf16 pool, host batch"}
 
 
 def kda_ms(steps, form, name, iters, repeats) -> tuple[float, float]:
@@ -135,13 +163,14 @@ def run(a) -> tuple[list[dict], dict]:
 
     def fla_rows(n, forms, syncs=True, iters=None):
         job = dict(job="decode", n=n, heads=a.heads, head_dim=a.head_dim, forms=list(forms),
+                   drafts=a.drafts,
                    iters=iters or a.iters, repeats=a.repeats, syncs=syncs)
         return [m["row"] for m in fla.run(job) if "row" in m]
 
     try:
         for n in a.sizes:
             step = f"decode N={n}"
-            steps = kda_steps(n, a.heads, a.head_dim, a.kda_impl)
+            steps = kda_steps(n, a.heads, a.head_dim, a.kda_impl, a.drafts)
             peer = {}
             if fla is not None:
                 for r in fla_rows(n, FORMS):
@@ -169,7 +198,7 @@ def run(a) -> tuple[list[dict], dict]:
 def rounds_rows(a, n, steps, fla_rows) -> list[dict]:
     rounds = []
     for r in range(a.rounds):
-        for form in FORMS:
+        for form in ROUND_STEP:
             times = {}
             for side in round_order(r):
                 if side == "kda_jax":
@@ -203,6 +232,7 @@ def print_table(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="256,1024", help="comma-separated N")
+    p.add_argument("--drafts", type=int, default=3, help="S of the verify rows")
     p.add_argument("--rounds", type=int, default=0,
                    help="alternating rounds with fla at the first size (0: none)")
     add_step_arguments(p)

@@ -41,8 +41,8 @@ def test_decode_runs_every_kda_jax_step(tmp_path):
                         "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert {(r["form"], r["steps_per_call"]) for r in rows} == {
-        ("dense", 1), ("dense", 8), ("pool", 1), ("pool", 8)}
-    assert len(rows) == 5 and all(r.get("error") is None and r["ms"] > 0 for r in rows), rows
+        ("dense", 1), ("dense", 8), ("pool", 1), ("pool", 8), ("pool bf16", 1), ("verify", 1)}
+    assert len(rows) == 7 and all(r.get("error") is None and r["ms"] > 0 for r in rows), rows
     assert all(META <= set(r) and r["ratio_to_fla"] is None for r in rows)
 
 
@@ -111,11 +111,11 @@ def test_decode_rounds_alternate_with_the_child(fake_child, monkeypatch, tmp_pat
                  "--repeats", "1", "--heads", "2", "--head-dim", "16", "--json", str(out)])
     rows = json.loads(out.read_text())
     rounds = {r["form"]: r for r in rows if "per_round" in r}
-    assert set(rounds) == {"dense", "pool"}
+    assert set(rounds) == {"dense", "pool", "pool bf16"}
     assert [r["first"] for r in rounds["dense"]["per_round"]] == ["kda_jax", "fla"]
     assert rounds["dense"]["fla_ms"] == 2.0 and rounds["dense"]["rounds"] == 2
     fla_rows = [r for r in rows if r["implementation"].startswith("fla ")]
-    assert {r["form"] for r in fla_rows} == {"dense", "pool"}
+    assert {r["form"] for r in fla_rows} == {"dense", "pool", "pool bf16", "verify"}
     assert all(r["versions"]["torch"] == "t" for r in rows)
     kda = [r for r in rows if r["implementation"].startswith("kda_jax")]
     assert all(r["ratio_to_fla"] == pytest.approx(r["ms"] / 2.0) for r in kda)
