@@ -123,8 +123,10 @@ SHAPES = (("main", 128, 128, "bf16"),     # the main case
           ("masked", 100, 60, "bf16"))    # non-power-of-two, masked
 CHUNKS = (64, 32)
 # "all": l2norm, gate with A_log + dt_bias, lower_bound, beta sigmoid, negative
-# eigenvalues, V-first state, initial and final state.
+# eigenvalues, V-first state, initial and final state; and in the forward's
+# state-output kernel prefill checkpoints every 2 chunks (ALL_CHECKPOINT_CHUNKS).
 FLAG_SETS = ("default", "all")
+ALL_CHECKPOINT_CHUNKS = 2
 
 SPECS = tuple(Spec(shape, kd, vd, dt, bt, fl)
               for (shape, kd, vd, dt), bt, fl in itertools.product(SHAPES, CHUNKS, FLAG_SETS))
@@ -286,6 +288,7 @@ def _launch_for(kernel: str, target: str, spec: Spec):
     prep, state = forward_launches(
         h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config, work=work,
         has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0,
+        checkpoint_chunks=ALL_CHECKPOINT_CHUNKS if spec.flags == "all" else 0,
     )
     launch = {prep.kernel: prep, state.kernel: state}[kernel]
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
