@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["StatePool", "narrow_indices", "read_index", "write_index", "read_states", "write_states",
-           "gather_run_scatter"]
+           "write_rows", "gather_run_scatter"]
 
 
 class StatePool(NamedTuple):
@@ -94,17 +94,24 @@ def read_states(pool: StatePool) -> jax.Array:
 def write_states(pool: StatePool, finals: jax.Array) -> jax.Array:
     """The new cache: ``finals`` ``[N, HV, ., .]`` written to each sequence's row;
     padding slots drop their final state."""
-    slots = pool.cache.shape[0]
-    rows = _out_of_range(write_index(pool), slots)
-    return pool.cache.at[rows].set(finals.astype(pool.cache.dtype), mode="drop")
+    return write_rows(pool.cache, write_index(pool), finals)
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, states: jax.Array) -> jax.Array:
+    """``cache`` with ``states`` ``[M, HV, ., .]`` (float32) written to rows
+    ``rows`` int32 ``[M]``, each rounded once to the cache's dtype; an entry
+    outside [0, slots) writes nothing."""
+    rows = _out_of_range(rows, cache.shape[0])
+    return cache.at[rows].set(states.astype(cache.dtype), mode="drop")
 
 
 def gather_run_scatter(forward, pool: StatePool, q, k, v, g, beta, A_log, dt_bias, *, opts,
                        **kwargs):
     """Runs ``forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=..., **kwargs)``
     with the pool's rows gathered as initial states and its final states
-    scattered back; returns ``(o, new_cache)``."""
+    scattered back; returns ``(o, new_cache)``, followed by any further
+    outputs of ``forward`` as they are."""
     h0 = read_states(pool)
     opts = dataclasses.replace(opts, output_final_state=True)
-    o, finals = forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts, **kwargs)
-    return o, write_states(pool, finals)
+    o, finals, *rest = forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts, **kwargs)
+    return (o, write_states(pool, finals), *rest)
