@@ -134,7 +134,8 @@ SHAPES = (("main", 128, 128, "bf16"),     # the main case
           ("masked", 100, 60, "bf16"))    # non-power-of-two, masked
 CHUNKS = (64, 32)
 # "all": l2norm, gate with A_log + dt_bias, lower_bound, beta sigmoid, negative
-# eigenvalues, V-first state, initial and final state.
+# eigenvalues, V-first state, initial and final state; and in the forward's
+# state-output kernel prefill checkpoints every 2 chunks (ALL_CHECKPOINT_CHUNKS).
 FLAG_SETS = ("default", "all")
 # The kernels whose state buffer may be a 16-bit pool (Spec.state).
 POOL_KERNELS = ("kda_fwd_state_output_kernel", "kda_fused_recurrent_kernel")
@@ -143,6 +144,7 @@ POOL_KERNELS = ("kda_fwd_state_output_kernel", "kda_fused_recurrent_kernel")
 # decode kernel no longer shares main/c32/all's binary (the one extra compile
 # per target), and main/c32/all keeps the float32 forms at the main shape.
 BF16_POOL_SPEC = ("main", 64, "all")
+ALL_CHECKPOINT_CHUNKS = 2
 
 
 def _spec(shape, kd, vd, dt, bt, fl) -> Spec:
@@ -314,6 +316,7 @@ def _launch_for(kernel: str, target: str, spec: Spec):
         h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config, work=work,
         has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0,
         indexed_state=spec.state != "fp32",
+        checkpoint_chunks=ALL_CHECKPOINT_CHUNKS if spec.flags == "all" else 0,
     )
     launch = {prep.kernel: prep, state.kernel: state}[kernel]
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kda_jax.batch import VarlenBatch, mask_padding
-from kda_jax.checks import IMPLEMENTATIONS, check_call, check_chunk_size
+from kda_jax.checks import IMPLEMENTATIONS, check_call, check_checkpoints, check_chunk_size
 from kda_jax.options import KdaOptions
 from kda_jax import configs, context_parallel, segmented, xla
 from kda_jax import pool as state_pool
@@ -34,6 +34,13 @@ def _no_sequence(q, v, opts: KdaOptions, pool):
     kd = q.shape[-1]
     shape = (0, hv, vd, kd) if opts.state_v_first else (0, hv, kd, vd)
     return o, jnp.zeros(shape, jnp.float32)
+
+
+def _no_checkpoints(q, v, opts: KdaOptions):
+    """The checkpoints of a call with no sequence: none, ``[0, HV, ., .]``."""
+    kd = q.shape[-1]
+    hv, vd = v.shape[-2:]
+    return jnp.zeros((0, hv, vd, kd) if opts.state_v_first else (0, hv, kd, vd), jnp.float32)
 
 
 TRITON_MAX_HEAD_DIM = 256
@@ -80,28 +87,41 @@ def _choose_backend(implementation: str | None, q, v) -> str:
 # alone (mask_padding).
 
 
-@functools.partial(jax.jit, static_argnames=("opts",))
-def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts, bounds):
+@functools.partial(jax.jit, static_argnames=("opts", "checkpoint_every"))
+def _chunk_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts, bounds,
+               checkpoint_every=None, checkpoint_indices=None):
     pool = mask_padding(pool, bounds)
+    # Prefill checkpoints: the scan's states at interval starts (a third output).
+    ckpt = ({} if checkpoint_every is None else
+            dict(checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices))
     if pool is not None:
-        return state_pool.gather_run_scatter(xla.chunk_kda_xla, pool, q, k, v, g, beta, A_log,
-                                             dt_bias, opts=opts, bounds=bounds)
+        out = state_pool.gather_run_scatter(xla.chunk_kda_xla, pool, q, k, v, g, beta, A_log,
+                                            dt_bias, opts=opts, bounds=bounds, **ckpt)
+        if checkpoint_every is None:
+            return out
+        o, cache, (rows, starts) = out
+        return o, state_pool.write_rows(cache, rows, starts)
     return xla.chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias,
-                             opts=opts, bounds=bounds)
+                             opts=opts, bounds=bounds, **ckpt)
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "config", "bwd_config", "segments"))
+@functools.partial(jax.jit,
+                   static_argnames=("opts", "config", "bwd_config", "segments", "checkpoint_every"))
 def _chunk_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None, *, opts,
-                  bounds, config, bwd_config=None, segments=None):
-    if pool is not None or isinstance(bounds, VarlenBatch):
+                  bounds, config, bwd_config=None, segments=None, checkpoint_every=None,
+                  checkpoint_indices=None):
+    if pool is not None or isinstance(bounds, VarlenBatch) or checkpoint_every is not None:
         # The serving forms, forward only: with a pool the state kernel reads
         # and writes its rows in place (no gather/scatter); a bucketed batch's
-        # grids come from its bucket.
+        # grids come from its bucket; checkpoints are stored by the state
+        # pass, unsegmented.
         # Forward only: jax.grad and jax.vmap of it raise kda_jax's error.
         return kda_triton.chunk_kda_triton_serving(q, k, v, g, beta, initial_state, A_log,
                                                    dt_bias, opts=opts, bounds=bounds,
                                                    config=config,
-                                                   pool=mask_padding(pool, bounds))
+                                                   pool=mask_padding(pool, bounds),
+                                                   checkpoint_every=checkpoint_every,
+                                                   checkpoint_indices=checkpoint_indices)
     # Differentiable (jax.custom_vjp, kda_jax.triton.backward).
     return kda_triton.chunk_kda_triton_grad(q, k, v, g, beta, initial_state, A_log, dt_bias,
                                             opts=opts, bounds=bounds, config=config,
@@ -268,7 +288,8 @@ def chunk_kda(
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
     state_v_first=False, chunk_size=64, cu_seqlens=None, state_cache=None, state_indices=None,
     has_initial_state=None, implementation=None, context_axis=None, read_indices=None,
-    write_indices=None, num_accepted_tokens=None,
+    write_indices=None, num_accepted_tokens=None, checkpoint_every=None,
+    checkpoint_indices=None,
 ):
     devices = context_parallel.axis_devices(context_axis, cu_seqlens)
     opts, bounds, pool = check_call(
@@ -285,9 +306,18 @@ def chunk_kda(
         read_indices=read_indices, write_indices=write_indices,
         num_accepted_tokens=num_accepted_tokens,
     )
+    every, ckpt_rows = check_checkpoints(checkpoint_every, checkpoint_indices,
+                                         chunk_size=opts.chunk_size, bounds=bounds, pool=pool,
+                                         context_axis=context_axis)
+    if every is not None and state_pool.token_rows(pool) is not None:
+        raise ValueError(
+            f"checkpoint_every={every} with a speculative-verify state_indices of shape "
+            f"{tuple(pool.write_indices.shape)}: a verify already keeps the state after "
+            "every token in its rows; drop checkpoint_every, or pass state_indices [N]")
     backend = _choose_backend(implementation, q, v)
     if bounds is None:
-        return _no_sequence(q, v, opts, pool)
+        out = _no_sequence(q, v, opts, pool)
+        return out if every is None or pool is not None else out + (_no_checkpoints(q, v, opts),)
     args = (q, k, v, g, beta, initial_state, A_log, dt_bias, pool)
     if state_pool.token_rows(pool) is not None:
         # A verify writes the state after every token, which the chunked form
@@ -299,6 +329,12 @@ def chunk_kda(
     if backend == "triton":
         config = configs.forward_config(chunk_size=opts.chunk_size)
         bwd_config = configs.backward_config(chunk_size=opts.chunk_size)
+    if every is not None:
+        # One pass, unsegmented: the checkpoints are states the pass carries.
+        ckpt = dict(checkpoint_every=every, checkpoint_indices=ckpt_rows)
+        if backend == "triton":
+            return _chunk_triton(*args, opts=opts, bounds=bounds, config=config, **ckpt)
+        return _chunk_xla(*args, opts=opts, bounds=bounds, **ckpt)
     if context_axis is not None:
         context_parallel.check_call(pool, backend, q, v, TRITON_MAX_HEAD_DIM, context_axis)
         return context_parallel.chunk_kda_context(
@@ -332,6 +368,38 @@ chunk_kda.__doc__ = (
         rows, final_state all N sequences' on every device. Not with
         state_cache or a VarlenBatch; on the Triton path V + K <= 256.
         docs/kda.md section 7.
+      checkpoint_every: None, or a positive Python int n, a multiple of
+        chunk_size: prefill checkpoints (prefix caching). The call then
+        returns ``(o, final_state, checkpoints)`` (final_state None unless
+        ``output_final_state``): ``checkpoints`` float32 ``[C, HV, K, V]``
+        (``[C, HV, V, K]`` with ``state_v_first``) holds, sequence by
+        sequence in order, the state before each n-token interval: the
+        initial state (or zeros), the state after n tokens, after 2n, ...;
+        C = sum over sequences of ceil(len / n), an empty sequence has none
+        (the state after the last token is the final state, not a
+        checkpoint). Checkpoint j of a sequence equals the final state of a
+        call on its first j * n tokens from the same initial state, on the
+        same path: bit for bit on the Triton path, to float32 rounding on the
+        XLA path (its scan's products round with the number of lanes the
+        sequences are packed in). Host bounds only (C is fixed at trace
+        time); with a VarlenBatch use the pool form. Such calls run
+        unsegmented (no segmented state chain, no ``context_axis``).
+        On the Triton path they are forward only (``jax.grad`` and
+        ``jax.vmap`` raise ``kda_jax.NotDifferentiableError`` /
+        ``NotBatchableError``); the XLA path differentiates through them.
+      checkpoint_indices: with ``state_cache`` (required there), int32
+        ``[N, J]``, J >= the most intervals any sequence has (extra columns
+        are ignored): checkpoint j of sequence n is written to pool row
+        ``checkpoint_indices[n, j]`` (a negative index skips it), rounded
+        once to the pool's dtype, and the call returns ``(o,
+        new_state_cache)``. Device data (traced; no read-back, no recompile
+        when values change) or NumPy, which is checked on the host where the
+        bounds are known: rows in [0, slots), each named once and none a row
+        a final state is written to. Device indices are not checked: an index
+        outside [0, slots) skips, a row written twice is undefined, and with
+        a device VarlenBatch so are columns past J. A checkpoint row that
+        another sequence of the same call reads is undefined on the Triton
+        path (its programs run in any order).
 
     Long sequences with few heads run as parallel segments on the Triton
     path (docs/kda.md section 7; kda_jax.configs.SegmentConfig).

@@ -33,6 +33,9 @@ __all__ = [
     "check_bucketed_metadata",
     "most_chunks",
     "next_pow2",
+    "checkpoint_counts",
+    "checkpoint_offsets",
+    "checkpoint_slots",
 ]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -724,3 +727,54 @@ def lane_schedule(bounds: SeqBounds, chunk_size: int) -> LaneSchedule:
         total_tokens=t,
         tables=packed,
     )
+
+
+# --------------------------------------------------------------------------- #
+# Prefill checkpoints: the state before every ``every``-token interval.
+# --------------------------------------------------------------------------- #
+
+
+def checkpoint_counts(lengths: np.ndarray, every: int) -> np.ndarray:
+    """int64 ``[N]``: checkpoints per sequence of ``lengths``, ``ceil(len / every)``
+    (the states before tokens 0, every, 2 every, ...; none for an empty sequence)."""
+    return -(-np.asarray(lengths, np.int64) // int(every))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def checkpoint_offsets(bounds: SeqBounds, every: int) -> np.ndarray:
+    """int32 ``[N + 1]``: index of each sequence's first checkpoint in the
+    ``[C, ...]`` output (exclusive cumsum of :func:`checkpoint_counts`)."""
+    offsets = np.concatenate([[0], np.cumsum(checkpoint_counts(bounds.lengths, every))])
+    if offsets[-1] > _INT32_MAX:
+        raise ValueError(f"{int(offsets[-1])} checkpoints do not fit in int32; split the batch")
+    offsets = offsets.astype(np.int32)
+    offsets.setflags(write=False)
+    return offsets
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def checkpoint_slots(bounds: SeqBounds, chunk_size: int, every: int) -> PackedTables:
+    """Where the checkpoints sit in :func:`lane_schedule`'s slots (the XLA
+    path's state is the scan's state at a slot's start), one int32 buffer:
+
+      ``slot`` ``[C]``: the flat slot ``s * L + l`` of checkpoint c (in the
+        order of :func:`checkpoint_offsets`).
+      ``seq`` ``[S * L]``: the sequence whose checkpoint is the state at the
+        slot's start, else -1; ``col`` ``[S * L]``: which of its checkpoints
+        (j: the state after j * every tokens), else -1.
+
+    ``every`` must be a multiple of ``chunk_size`` (a checkpoint at a chunk's start).
+    """
+    chunk_size = _check_chunk_size(chunk_size)
+    schedule = lane_schedule(bounds, chunk_size)
+    cu = bounds.cu_seqlens
+    first = schedule.tables.view("token_index")[..., 0].reshape(-1).astype(np.int64)
+    live = first < bounds.total_tokens  # a slot with a chunk (padding reads token T)
+    seq = np.searchsorted(cu, first, side="right") - 1  # the last start at or before it
+    pos = first - cu[np.minimum(seq, bounds.num_seqs)]
+    at = live & (pos % every == 0)
+    seq = np.where(at, seq, -1)
+    col = np.where(at, pos // every, -1)
+    slot = np.empty(int(checkpoint_offsets(bounds, every)[-1]), np.int64)
+    slot[checkpoint_offsets(bounds, every)[seq[at]] + col[at]] = np.flatnonzero(at)
+    return pack_int32_tables({"slot": slot, "seq": seq, "col": col})

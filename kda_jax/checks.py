@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_jax.batch import VarlenBatch, num_seqs
-from kda_jax.bounds import SeqBounds, as_seq_bounds
+from kda_jax.bounds import SeqBounds, as_seq_bounds, checkpoint_counts
 from kda_jax.options import KdaOptions
 from kda_jax import pool as state_pool
 
-__all__ = ["check_call", "check_chunk_size", "CHUNK_SIZES", "IMPLEMENTATIONS"]
+__all__ = ["check_call", "check_chunk_size", "check_checkpoints", "CHUNK_SIZES",
+           "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("xla", "triton")
 CHUNK_SIZES = (32, 64)
@@ -540,3 +541,138 @@ def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
         chunk_size=CHUNK_SIZES[-1] if chunk_size is None else chunk_size, **flags,
     )
     return opts, bounds, pool
+
+
+# -- prefill checkpoints (chunk_kda) --------------------------------------------
+
+
+def _check_every(every, chunk_size: int) -> int:
+    """checkpoint_every: a Python int (it fixes the launches and C at trace
+    time), positive, a multiple of chunk_size (checkpoints sit at chunk starts)."""
+    if isinstance(every, (bool, np.bool_, jax.Array)) or not isinstance(every, (int, np.integer)):
+        raise TypeError(
+            f"checkpoint_every must be a Python int, a multiple of chunk_size={chunk_size} (it "
+            f"is fixed at trace time), got {every!r} ({type(every).__name__}); pass e.g. "
+            f"checkpoint_every={4 * chunk_size}")
+    every = int(every)
+    if every <= 0 or every % chunk_size:
+        below = max(every // chunk_size, 1) * chunk_size
+        fix = (f"checkpoint_every={below} or {below + chunk_size}" if every > 0
+               else f"checkpoint_every={chunk_size} (or a multiple)")
+        raise ValueError(
+            f"checkpoint_every={every} must be a positive multiple of chunk_size={chunk_size} "
+            f"(a checkpoint is the state at a chunk's start); pass {fix}")
+    return every
+
+
+def _host_lengths(bounds) -> np.ndarray | None:
+    """Each sequence slot's length where the host knows it: host bounds, or a
+    NumPy VarlenBatch (its padded slots: 0); None for a batch on the device."""
+    if not isinstance(bounds, VarlenBatch):
+        return bounds.lengths
+    header = bounds.host_header()
+    if header is None:
+        return None
+    off = bounds.bucket.offset("cu_seqlens")
+    cu = np.asarray(bounds.metadata[off:off + header[0] + 1], np.int64)
+    lengths = np.zeros(bounds.bucket.max_seqs, np.int64)
+    lengths[:header[0]] = np.diff(cu)
+    return lengths
+
+
+def _check_checkpoint_rows(idx: np.ndarray, used: np.ndarray, slots: int,
+                           final_rows) -> np.ndarray:
+    """NumPy checkpoint_indices: the entries of ``used`` (the checkpoints the
+    sequences have) must name rows in [0, slots) or be negative (skip), named
+    once, and none a row a final state is written to (``final_rows``, NumPy
+    int32 [N] or None when device data). Returns them as int32, -1 for every
+    entry skipped or unused."""
+    rows = np.where(used & (idx >= 0), idx, -1)  # compared in idx's dtype: nothing wraps
+    past = np.argwhere(rows >= slots)
+    if past.size:
+        n, j = (int(i) for i in past[0])
+        raise ValueError(
+            f"checkpoint_indices[{n}, {j}]={int(idx[n, j])} is >= slots={slots} "
+            "(state_cache.shape[0]); use a row in [0, slots), or -1 to skip that checkpoint")
+    rows = rows.astype(np.int64)
+    named, counts = np.unique(rows[rows >= 0], return_counts=True)
+    if np.any(counts > 1):
+        row = int(named[np.flatnonzero(counts > 1)[0]])
+        at = [tuple(int(i) for i in a) for a in np.argwhere(rows == row)[:4]]
+        raise ValueError(
+            f"checkpoint_indices names row {row} more than once (at {at}); two checkpoints "
+            "cannot share a pool row: give each its own row, or -1 to skip one")
+    if final_rows is not None:
+        final = np.asarray(final_rows)
+        both = np.intersect1d(named, final[final >= 0])
+        if both.size:
+            row = int(both[0])
+            n, j = (int(i) for i in np.argwhere(rows == row)[0])
+            raise ValueError(
+                f"checkpoint_indices[{n}, {j}]={row} is also the row sequence "
+                f"{int(np.flatnonzero(final == row)[0])}'s final state is written to "
+                "(state_indices / write_indices); a row takes one state: give the "
+                "checkpoint another row, or -1 to skip it")
+    return rows.astype(np.int32)
+
+
+def check_checkpoints(checkpoint_every, checkpoint_indices, *, chunk_size: int, bounds, pool,
+                      context_axis=None) -> tuple[int | None, object]:
+    """chunk_kda's prefill checkpoints: returns ``(every, indices)``, both None
+    without checkpoints; ``indices`` is None for the ``[C, ...]`` output, else
+    int32 ``[N, J]`` pool rows (NumPy checked on the host where the bounds
+    are known, -1 for every entry skipped or unused; device data narrowed
+    only). ``bounds``, ``pool``: :func:`check_call`'s."""
+    if checkpoint_every is None:
+        if checkpoint_indices is not None:
+            raise ValueError(
+                "checkpoint_indices was passed without checkpoint_every; pass "
+                "checkpoint_every=n (a multiple of chunk_size) too, or drop checkpoint_indices")
+        return None, None
+    every = _check_every(checkpoint_every, chunk_size)
+    if context_axis is not None:
+        raise ValueError(
+            f"checkpoint_every={every} is not supported with context_axis={context_axis!r} "
+            "(a device holds part of a sequence); run the prefill without context_axis to "
+            "take checkpoints")
+    if pool is None:
+        if checkpoint_indices is not None:
+            raise ValueError(
+                "checkpoint_indices is only used with state_cache (checkpoints written into "
+                "pool rows); pass state_cache too, or drop checkpoint_indices for the "
+                "[C, HV, K, V] checkpoints output")
+        if isinstance(bounds, VarlenBatch):
+            raise ValueError(
+                f"checkpoint_every={every} with a VarlenBatch as cu_seqlens needs the pool "
+                "form: the number of checkpoints depends on the batch's bounds, device data "
+                "unknown at trace time; pass state_cache and checkpoint_indices int32 "
+                "[max_seqs, J] (or host bounds for the [C, HV, K, V] output)")
+        return every, None
+    if checkpoint_indices is None:
+        raise ValueError(
+            f"checkpoint_every={every} with state_cache writes the checkpoints into pool rows: "
+            "pass checkpoint_indices, int32 [N, J] (row of checkpoint j of sequence n, -1 to "
+            "skip)")
+    n = num_seqs(bounds) if bounds is not None else 0
+    idx = checkpoint_indices
+    if not hasattr(idx, "shape") or not hasattr(idx, "dtype"):
+        raise TypeError(
+            f"checkpoint_indices must be an int32 array [N, J] (NumPy or jax), got "
+            f"{type(idx).__name__}; pass np.asarray(checkpoint_indices, np.int32)")
+    dtype = np.dtype(idx.dtype)
+    if not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+        raise TypeError(f"checkpoint_indices must be an int32 array [N, J], got dtype {dtype}")
+    lengths = None if bounds is None else _host_lengths(bounds)
+    need = 1 if lengths is None else int(checkpoint_counts(lengths, every).max(initial=1))
+    if idx.ndim != 2 or idx.shape[0] != n or idx.shape[1] < need:
+        raise ValueError(
+            f"checkpoint_indices must have shape ({n}, J) [N, J], one row per sequence slot "
+            f"and J >= {need} columns (the most intervals of checkpoint_every={every} tokens "
+            f"a sequence has; extra columns are ignored), got {tuple(idx.shape)}")
+    slots = int(pool.cache.shape[0])
+    if not isinstance(idx, np.ndarray) or lengths is None:
+        return every, state_pool.narrow_indices(idx, slots)
+    used = np.arange(idx.shape[1])[None, :] < checkpoint_counts(lengths, every)[:, None]
+    final_rows = state_pool.write_index(pool)
+    return every, _check_checkpoint_rows(
+        idx, used, slots, final_rows if isinstance(final_rows, np.ndarray) else None)

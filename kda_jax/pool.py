@@ -120,9 +120,9 @@ def write_states(pool: StatePool, finals: jax.Array) -> jax.Array:
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, states: jax.Array) -> jax.Array:
-    """``cache`` with ``states`` ``[R, HV, ., .]`` written to ``rows`` ``[R]``,
-    each rounded once to the cache's dtype; a row outside [0, slots) drops
-    its state."""
+    """``cache`` with ``states`` ``[M, HV, ., .]`` (float32) written to rows
+    ``rows`` int32 ``[M]``, each rounded once to the cache's dtype; an entry
+    outside [0, slots) writes nothing."""
     rows = _out_of_range(rows, cache.shape[0])
     return cache.at[rows].set(states.astype(cache.dtype), mode="drop")
 
@@ -131,7 +131,8 @@ def gather_run_scatter(forward, pool: StatePool, q, k, v, g, beta, A_log, dt_bia
                        **kwargs):
     """Runs ``forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=..., **kwargs)``
     with the pool's rows gathered as initial states and its final states
-    scattered back; returns ``(o, new_cache)``."""
+    scattered back; returns ``(o, new_cache)``, followed by any further
+    outputs of ``forward`` as they are."""
     h0 = read_states(pool)
     rows = token_rows(pool)
     if rows is not None:
@@ -139,5 +140,5 @@ def gather_run_scatter(forward, pool: StatePool, q, k, v, g, beta, A_log, dt_bia
         return forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts,
                        token_writes=(pool.cache, rows), **kwargs)
     opts = dataclasses.replace(opts, output_final_state=True)
-    o, finals = forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts, **kwargs)
-    return o, write_states(pool, finals)
+    o, finals, *rest = forward(q, k, v, g, beta, h0, A_log, dt_bias, opts=opts, **kwargs)
+    return (o, write_states(pool, finals), *rest)

@@ -26,7 +26,7 @@ import numpy as np
 from kda_jax import pool as state_pool
 from kda_jax import transforms, vma
 from kda_jax.batch import VarlenBatch
-from kda_jax.bounds import LaneSchedule, SeqBounds, lane_schedule
+from kda_jax.bounds import PackedTables, SeqBounds, checkpoint_slots, lane_schedule
 from kda_jax.options import KdaOptions
 
 __all__ = ["chunk_kda_xla", "fused_recurrent_kda_xla", "unit_lower_inverse"]
@@ -38,11 +38,12 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 class _Tables:
-    """Static slices of the schedule's single int32 constant."""
+    """Static slices of a host-built int32 buffer (one constant): the lane
+    schedule's tables, or the checkpoints'."""
 
-    def __init__(self, schedule: LaneSchedule):
-        self._packed = schedule.tables
-        self._buffer = jnp.asarray(schedule.tables.buffer)
+    def __init__(self, packed: PackedTables):
+        self._packed = packed
+        self._buffer = jnp.asarray(packed.buffer)
 
     def __getitem__(self, name: str) -> jax.Array:
         off, shape = self._packed.offset(name), self._packed.shape(name)
@@ -165,7 +166,7 @@ def _schedule(bounds, chunk_size: int):
     """(tables, number of sequence slots) of either varlen form."""
     if isinstance(bounds, VarlenBatch):
         return _bucketed_tables(bounds, chunk_size), bounds.bucket.max_seqs
-    return _Tables(lane_schedule(bounds, chunk_size)), bounds.num_seqs
+    return _Tables(lane_schedule(bounds, chunk_size).tables), bounds.num_seqs
 
 
 def _prepare(q, k, v, g, beta, initial_state, A_log, dt_bias, opts: KdaOptions):
@@ -288,12 +289,19 @@ def unit_lower_inverse(n):
 
 
 def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-                  opts: KdaOptions, bounds: SeqBounds | VarlenBatch):
+                  opts: KdaOptions, bounds: SeqBounds | VarlenBatch,
+                  checkpoint_every: int | None = None, checkpoint_indices=None):
     """Chunked KDA in jax.numpy. Arguments are already validated by the API.
 
     ``bounds`` covers the flattened ``B * T`` tokens (B equal sequences when the
     call has no cu_seqlens), as host bounds or a bucketed batch. Returns
     ``(o [B, T, HV, V] in q.dtype, final | None)``.
+
+    With ``checkpoint_every`` (a multiple of the chunk size) a third output
+    holds the scan's state before every interval of that many tokens
+    (:func:`_checkpoints`): ``[C, HV, ., .]`` float32 in the state layout
+    (host bounds), or with ``checkpoint_indices`` int32 ``[N, J]`` the pair
+    ``(rows, states)`` to write into a pool (-1: none).
     """
     b, t, _, kd = q.shape
     hv, vd = v.shape[-2:]
@@ -353,20 +361,61 @@ def chunk_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     o = jnp.where((poisoned | q_bad | before[..., None])[..., None], jnp.nan, o)
     o = _scatter_tokens(jnp.moveaxis(o, 3, 2), tables["slot_of_token"])
     o = _poison(o.reshape(b, t, hv, vd), tables).astype(out_dtype)
-    if not opts.output_final_state:
-        return o, None
+    final = None
+    if opts.output_final_state:
+        # The state after each sequence's last chunk, recomputed from that
+        # chunk's h and v_new; empty sequences keep their initial state.
+        last = tables["last_slot"]
+        pick = lambda x: jnp.take(x.reshape((-1,) + x.shape[2:]), last, axis=0, mode="fill",
+                                  fill_value=0)
+        after = pick(decay_last) * pick(h) + jnp.matmul(
+            jnp.swapaxes(pick(k_tail), -1, -2), pick(v_new), precision=_HI
+        )
+        after = jnp.where(pick(chunk_poisoned)[..., None, None], jnp.nan, after)
+        empty = last == steps * lanes  # from the packed table: no second metadata constant
+        final = _poison(jnp.where(empty[:, None, None, None], h_init[:-1], after), tables)
+        final = _finish_state(final, opts.state_v_first)
+    if checkpoint_every is None:
+        return o, final
+    # Each slot's start state, NaN where the sequence was poisoned before it
+    # (as the final state of a prefix ending there is).
+    starts = _poison(jnp.where(before[..., None, None], jnp.nan, h), tables)
+    starts = _finish_state(starts.reshape((steps * lanes,) + h.shape[2:]), opts.state_v_first)
+    return o, final, _checkpoints(starts, bounds, opts.chunk_size, checkpoint_every,
+                                  checkpoint_indices)
 
-    # The state after each sequence's last chunk, recomputed from that chunk's
-    # h and v_new; empty sequences keep their initial state.
-    last = tables["last_slot"]
-    pick = lambda x: jnp.take(x.reshape((-1,) + x.shape[2:]), last, axis=0, mode="fill", fill_value=0)
-    after = pick(decay_last) * pick(h) + jnp.matmul(
-        jnp.swapaxes(pick(k_tail), -1, -2), pick(v_new), precision=_HI
-    )
-    after = jnp.where(pick(chunk_poisoned)[..., None, None], jnp.nan, after)
-    empty = last == steps * lanes  # from the packed table: no second metadata constant
-    final = _poison(jnp.where(empty[:, None, None, None], h_init[:-1], after), tables)
-    return o, _finish_state(final, opts.state_v_first)
+
+def _checkpoints(starts, bounds, chunk_size: int, every: int, indices):
+    """The checkpoints among the slots' start states ``starts`` ``[S * L, ...]``:
+    ``[C, ...]`` in the order of :func:`kda_jax.bounds.checkpoint_offsets`
+    (host bounds, ``indices`` None), else ``(rows [S * L], starts)`` with each
+    slot's pool row from ``indices`` int32 ``[N, J]`` (-1: no checkpoint)."""
+    if isinstance(bounds, VarlenBatch):
+        seq, col = _bucketed_checkpoint_slots(bounds, chunk_size, every)
+    else:
+        tables = _Tables(checkpoint_slots(bounds, chunk_size, every))
+        if indices is None:
+            return jnp.take(starts, tables["slot"], axis=0)
+        seq, col = tables["seq"], tables["col"]
+    cols = indices.shape[1]
+    at = (seq >= 0) & (col < cols)  # a device batch's columns past J are skipped
+    rows = indices[jnp.maximum(seq, 0), jnp.clip(col, 0, cols - 1)]
+    return jnp.where(at, rows, -1), starts
+
+
+def _bucketed_checkpoint_slots(batch: VarlenBatch, chunk_size: int, every: int):
+    """(seq, col) int32 ``[max_chunks]`` of :func:`_bucketed_tables`' one-lane
+    slots (slot s = chunk-table row s): the sequence and checkpoint whose
+    state is the slot's start state, -1 where none; from the batch's
+    metadata on the device, clipped into range as there."""
+    bucket = batch.bucket
+    ct = batch.table("chunk_table")
+    seq = jnp.clip(ct[:, 0], 0, bucket.max_seqs)
+    j = jnp.clip(ct[:, 1], 0, -(-bucket.max_tokens // chunk_size))
+    row = jnp.arange(bucket.max_chunks, dtype=jnp.int32)
+    every_chunks = every // chunk_size
+    at = (row < batch.table("header")[2]) & (seq < bucket.max_seqs) & (j % every_chunks == 0)
+    return jnp.where(at, seq, -1), jnp.where(at, j // every_chunks, -1)
 
 
 def fused_recurrent_kda_xla(q, k, v, g, beta, initial_state, A_log, dt_bias, *,

@@ -7,7 +7,9 @@ k * exp(G_last - G), Aqk and exp(G_last).
 
 ``kda_fwd_state_output_kernel`` (grid (sequences, HV, V-blocks)) walks each
 sequence's chunks in order, carrying the float32 state, and writes o and the
-final state: the state pass and the output fused, so h is never stored.
+final state: the state pass and the output fused, so h is never stored (but
+for prefill checkpoints: the state at the start of every CHECKPOINT_CHUNKS-th
+chunk).
 
 Layouts (tokens of all sequences packed along T):
   q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV];
@@ -34,7 +36,7 @@ import triton.language as tl
 from .common import (chunk_rows, decay_row, dot, gather_rows, level_factor, next_decay_row,
                      store_zero_rows, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
-from .state_io import load_state, next_k_block, state_offsets, store_state
+from .state_io import load_state, next_k_block, state_offsets, store_state, store_state_row
 from .varlen import seq_chunks, seq_span
 
 
@@ -302,13 +304,14 @@ def kda_fwd_prepare_kernel(
 
 @triton.jit
 def kda_fwd_state_output_kernel(
-    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_cu, off_co, n_seqs, n_tokens,
-    n_chunk_rows, slots,
-    o, ht,
+    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, ckpt_idx, meta, off_cu, off_co, n_seqs,
+    n_tokens, n_chunk_rows, slots, ckpt_cols,
+    o, ht, hc,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     INDEXED_STATE: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+    CHECKPOINT_CHUNKS: tl.constexpr,
 ):
     """One program per (sequence, value head, V block): the state [BK, BV] stays
     in registers (float32) while the sequence's chunks go by in order. With
@@ -321,6 +324,15 @@ def kda_fwd_state_output_kernel(
     outside [0, slots) reads zeros / writes nothing. The pool is passed as h0
     and aliased to ht, so rows no sequence names keep their contents.
 
+    Checkpoints (CHECKPOINT_CHUNKS > 0): the state at the start of chunks 0,
+    CHECKPOINT_CHUNKS, 2 CHECKPOINT_CHUNKS, ... of each sequence, i.e. before
+    each interval of CHECKPOINT_CHUNKS * BT tokens (store_checkpoint). Without
+    INDEXED_STATE checkpoint j of sequence n is row ckpt_idx[n] + j of hc
+    (ckpt_idx: the host-built offsets); with INDEXED_STATE it is pool row
+    ckpt_idx[n, j] of ht (ckpt_idx [n_seqs, ckpt_cols]; a column past
+    ckpt_cols or a row outside [0, slots) is skipped), rounded like a final
+    state. CHECKPOINT_CHUNKS = 0: hc, ckpt_idx and ckpt_cols are unused.
+
     A program i_n == n_seqs (launched for a bucketed batch only) writes o = 0
     on the token rows [cu_seqlens[n_seqs], n_tokens): rows past the batch's
     real end, which belong to no sequence.
@@ -332,23 +344,53 @@ def kda_fwd_state_output_kernel(
     m_v = o_v < V
     if i_n < n_seqs:
         _state_output_sequence(
-            w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_co, n_chunk_rows, slots,
-            o, ht, i_n, i_hv, bos, eos, o_v, o_t, m_v, HV, K, V, BT, BK, BV, USE_INITIAL_STATE,
-            STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE, DOT, SPLIT_K)
+            w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, ckpt_idx, meta, off_co,
+            n_chunk_rows, slots, ckpt_cols, o, ht, hc, i_n, i_hv, bos, eos, o_v, o_t, m_v, HV,
+            K, V, BT, BK, BV, USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST,
+            INDEXED_STATE, DOT, SPLIT_K, CHECKPOINT_CHUNKS)
     else:
         store_zero_rows(o, bos, n_tokens, i_hv, o_v, m_v, HV, V, BT, BV)
 
 
 @triton.jit
+def store_checkpoint(p_hc, b_h, ckpt_idx, ckpt_cols, slots, i_n, i_hv, i_c, n_chunks, o_s, m_kv,
+                     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     CHECKPOINT_CHUNKS: tl.constexpr, INDEXED_STATE: tl.constexpr):
+    """Stores the state tile b_h of sequence i_n after i_c of its n_chunks
+    chunks when it is a checkpoint: i_c a multiple of CHECKPOINT_CHUNKS below
+    n_chunks (the state before an interval; the state after the last chunk
+    is the final state, not a checkpoint). Checkpoint j = i_c /
+    CHECKPOINT_CHUNKS goes to pool row ckpt_idx[i_n, j] of p_hc (-1, none,
+    for a column past ckpt_cols; rounded to the pool's dtype), or with the
+    [C, ...] output to its row ckpt_idx[i_n] + j."""
+    if CHECKPOINT_CHUNKS > 0:
+        if (i_c % CHECKPOINT_CHUNKS == 0) & (i_c < n_chunks):
+            i_j = i_c // CHECKPOINT_CHUNKS
+            if INDEXED_STATE:
+                i_r = tl.load(ckpt_idx + i_n.to(tl.int64) * ckpt_cols + i_j,
+                              mask=i_j < ckpt_cols, other=-1)
+            else:
+                i_r = tl.load(ckpt_idx + i_n) + i_j
+            store_state_row(p_hc, b_h, i_r, slots, i_hv, o_s, m_kv, HV, K, V, True,
+                            INDEXED_STATE)
+
+
+@triton.jit
 def _state_output_sequence(
-    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, meta, off_co, n_chunk_rows, slots, o, ht,
-    i_n, i_hv, bos, eos, o_v, o_t, m_v,
+    w, u, qg, kt, aqk, gl, h0, read_idx, write_idx, ckpt_idx, meta, off_co, n_chunk_rows,
+    slots, ckpt_cols, o, ht, hc, i_n, i_hv, bos, eos, o_v, o_t, m_v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     INDEXED_STATE: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+    CHECKPOINT_CHUNKS: tl.constexpr,
 ):
     """The state pass and output of sequence i_n (kda_fwd_state_output_kernel's body)."""
+    # A pool takes its checkpoints in its own rows (ht is the pool's buffer).
+    if INDEXED_STATE:
+        p_hc = ht
+    else:
+        p_hc = hc
     c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
 
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
@@ -362,6 +404,12 @@ def _state_output_sequence(
     else:
         b_gl_next = next_decay_row(gl, c0, 0, n_chunks, i_hv, o_k, m_k, HV, K)
 
+    # Checkpoint 0, the initial state (store_checkpoint: none for an empty sequence).
+    store_checkpoint(p_hc, b_h, ckpt_idx, ckpt_cols, slots, i_n, i_hv, 0, n_chunks, o_s, m_kv,
+                     HV, K, V, CHECKPOINT_CHUNKS, INDEXED_STATE)
+    if SPLIT_K:
+        store_checkpoint(p_hc + shift, b_h1, ckpt_idx, ckpt_cols, slots, i_n, i_hv, 0, n_chunks,
+                         o_s, m_kv1, HV, K, V, CHECKPOINT_CHUNKS, INDEXED_STATE)
     for i_t in range(0, n_chunks):
         if not SPLIT_K:
             b_gl = b_gl_next  # loaded a chunk ahead (common.next_decay_row)
@@ -407,10 +455,17 @@ def _state_output_sequence(
         if SPLIT_K:
             b_gl = decay_row(gl, c0 + i_t, i_hv, o_k, m_k, HV, K)
         b_h = b_h * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
+        # The state after i_t + 1 chunks, stored here (the end of the step,
+        # each K half after its own update), where the fewest tiles are live:
+        # stored at the step's start instead, it spilled on sm90 (kda_jax.aot).
+        store_checkpoint(p_hc, b_h, ckpt_idx, ckpt_cols, slots, i_n, i_hv, i_t + 1, n_chunks,
+                         o_s, m_kv, HV, K, V, CHECKPOINT_CHUNKS, INDEXED_STATE)
         if SPLIT_K:
             b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
             b_gl = decay_row(gl, c0 + i_t, i_hv, o_k1, m_k1, HV, K)
             b_h1 = b_h1 * b_gl[:, None] + dot(tl.trans(b_kt), b_vnd, DOT)
+            store_checkpoint(p_hc + shift, b_h1, ckpt_idx, ckpt_cols, slots, i_n, i_hv, i_t + 1,
+                             n_chunks, o_s, m_kv1, HV, K, V, CHECKPOINT_CHUNKS, INDEXED_STATE)
 
     store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
                 INDEXED_STATE)

@@ -51,10 +51,11 @@ SIGNATURES = {
     "kda_fwd_state_output_kernel": Signature(
         "chunk_fwd",
         inputs=(("w", WORK), ("u", WORK), ("qg", WORK), ("kt", WORK), ("aqk", WORK),
-                ("gl", F32), ("h0", STATE), ("read_idx", I32_PTR), ("write_idx", I32_PTR))
+                ("gl", F32), ("h0", STATE), ("read_idx", I32_PTR), ("write_idx", I32_PTR),
+                ("ckpt_idx", I32_PTR))
         + _META_SEQS + (("n_seqs", I32), ("n_tokens", I32), ("n_chunk_rows", I32),
-                        ("slots", I32)),
-        outputs=(("o", IN), ("ht", STATE)),
+                        ("slots", I32), ("ckpt_cols", I32)),
+        outputs=(("o", IN), ("ht", STATE), ("hc", STATE)),
     ),
     "kda_fused_recurrent_kernel": Signature(
         "fused_recurrent",

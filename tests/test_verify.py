@@ -237,3 +237,12 @@ def _call(**kw):
 def test_verify_argument_errors(kw, err, match):
     with pytest.raises(err, match=match):
         _call(**kw)
+
+
+def test_verify_refuses_checkpoints():
+    x, cu = _inputs(0, [2, 2])
+    with pytest.raises(ValueError, match="a verify already keeps the state after every token"):
+        kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, state_cache=_pool(0),
+                          state_indices=np.array([[0, 1], [2, 3]], np.int32),
+                          checkpoint_every=64, checkpoint_indices=np.full((2, 1), 5, np.int32),
+                          implementation="xla")

@@ -13,13 +13,14 @@ it in place.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kda_jax import pool as state_pool
-from kda_jax.bounds import next_pow2
+from kda_jax.bounds import checkpoint_offsets, next_pow2
 from kda_jax.batch import kernel_metadata
 from kda_jax.configs import ForwardConfig, SegmentConfig
 from kda_jax.options import KdaOptions
@@ -59,11 +60,14 @@ def split_state_k(work, kd: int) -> bool:
 def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                      config: ForwardConfig, work, has_a_log: bool, has_dt_bias: bool,
                      has_initial_state: bool, indexed_state: bool = False,
-                     store_x: bool = False) -> tuple[KernelLaunch, KernelLaunch]:
+                     store_x: bool = False,
+                     checkpoint_chunks: int = 0) -> tuple[KernelLaunch, KernelLaunch]:
     """The (prepare, state_output) launches for these shapes, options and
     config; ``work`` is the intermediates' dtype (:func:`work_dtype`);
     ``indexed_state``: states are read from and written to a pool's rows;
-    ``store_x``: the prepare kernel also writes X = (I + L)^-1 (the backward).
+    ``store_x``: the prepare kernel also writes X = (I + L)^-1 (the backward);
+    ``checkpoint_chunks``: the state pass stores the state at the start of
+    every this-many-th chunk (prefill checkpoints; 0: none).
 
     The one place the constexprs are derived: :func:`chunk_kda_triton` launches
     with them and :mod:`kda_jax.aot` compiles with them.
@@ -100,6 +104,10 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         num_stages=config.prepare_stages,
     )
     split = split_state_k(work, kd)
+    if split and checkpoint_chunks:
+        # The checkpoint stores in the chunk loop: at two stages the float32
+        # state kernel in K halves spilled on sm90 at chunk 32 (kda_jax.aot).
+        state_stages = 1
     state = KernelLaunch(
         kernel="kda_fwd_state_output_kernel",
         constexprs=dict(
@@ -112,6 +120,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             # 16-bit intermediates make 16-bit products; float32 ones take fp32_dot.
             DOT=0 if sixteen_bit else dot_code(config.fp32_dot),
             SPLIT_K=split,  # the state as two [BK, BV] tiles
+            CHECKPOINT_CHUNKS=checkpoint_chunks,
         ),
         num_warps=state_warps,
         num_stages=state_stages,
@@ -122,13 +131,21 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
 def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                      opts: KdaOptions, bounds, config: ForwardConfig,
                      pool: state_pool.StatePool | None = None,
-                     segments: SegmentConfig | None = None):
+                     segments: SegmentConfig | None = None,
+                     checkpoint_every: int | None = None, checkpoint_indices=None):
     """Validated inputs in; ``(o, final_state | None)`` out, or ``(o, new_cache)``
     with a pool (then ``initial_state`` is None). ``bounds``: SeqBounds or
     VarlenBatch (a batch's padded sequence slots already masked in ``pool``).
     ``segments``: the rule that may run the state pass over segments
     (:mod:`kda_jax.triton.state_chain`; host bounds only), None: never.
-    See kda_jax.chunk_kda."""
+
+    ``checkpoint_every`` (a multiple of the chunk size): the state pass also
+    stores each sequence's state before every interval of that many tokens.
+    With a pool into the rows ``checkpoint_indices`` int32 ``[N, J]`` names
+    (the result stays ``(o, new_cache)``); without, host bounds only, as a
+    third output ``[C, HV, ., .]`` float32 (C from
+    :func:`kda_jax.bounds.checkpoint_offsets`). Checkpoints run the state pass
+    unsegmented. See kda_jax.chunk_kda."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
     bt = opts.chunk_size
@@ -143,18 +160,24 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     # Host bounds with no chunk at all (every sequence empty, so no token).
     # A bucketed batch always launches: its grids come from the bucket.
     empty = meta.chunk_programs == 0
+    ckpt = _checkpoint_args(bounds, pool, checkpoint_every, checkpoint_indices, bt,
+                            state_shape[1:])
     if empty and not indexed:
         o = jnp.zeros((b, t, hv, vd), q.dtype)
-        if not opts.output_final_state:
-            return o, None
-        final = jnp.zeros(state_shape, f32) if initial_state is None else initial_state
-        return o, final.astype(f32)
+        final = None
+        if opts.output_final_state:
+            final = jnp.zeros(state_shape, f32) if initial_state is None else initial_state
+            final = final.astype(f32)
+        if ckpt is None:
+            return o, final
+        return o, final, jnp.zeros(ckpt.shape.shape, f32)  # no token: no checkpoint
 
     work = work_dtype(q.dtype, interpret=interpret_mode())
     prep, state = forward_launches(
         h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         has_initial_state=initial_state is not None, indexed_state=indexed,
+        checkpoint_chunks=0 if ckpt is None else ckpt.chunks,
     )
     sds = jax.ShapeDtypeStruct
     if empty:
@@ -179,7 +202,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
             grid=(meta.chunk_programs, hv, 1), name="kda_fwd_prepare")
 
     tables = None
-    if segments is not None and not indexed and not empty:
+    if segments is not None and not indexed and not empty and ckpt is None:
         seg_launches = segmented_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
                                           work=work, segments=segments,
                                           has_initial_state=initial_state is not None,
@@ -194,14 +217,17 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                                        n_chunk_rows=meta.chunk_programs)
 
     st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
+    if ckpt is None:
+        ckpt = _NO_CHECKPOINTS
     out = launch_kernel(
         state,
         inputs=dict(w=p["w"], u=p["u"], qg=p["qg"], kt=p["kt"], aqk=p["aqk"], gl=p["gl"],
-                    h0=st.h0, read_idx=st.read_idx, write_idx=st.write_idx, meta=meta.buffer,
-                    off_cu=meta.off_cu, off_co=meta.off_co, n_seqs=n, n_tokens=tokens,
-                    n_chunk_rows=meta.chunk_programs, slots=st.slots),
+                    h0=st.h0, read_idx=st.read_idx, write_idx=st.write_idx,
+                    ckpt_idx=ckpt.index(), meta=meta.buffer, off_cu=meta.off_cu,
+                    off_co=meta.off_co, n_seqs=n, n_tokens=tokens,
+                    n_chunk_rows=meta.chunk_programs, slots=st.slots, ckpt_cols=ckpt.cols),
         outputs=dict(o=sds((tokens, hv, vd) if tokens else (4,), q.dtype),
-                     ht=sds(st.ht_shape, st.ht_dtype)),
+                     ht=sds(st.ht_shape, st.ht_dtype), hc=ckpt.shape),
         grid=(meta.seq_programs, hv, -(-vd // state.constexprs["BV"])),
         name="kda_fwd_state_output",
         aliases={"h0": "ht"} if st.aliased else None)  # the pool's buffer
@@ -209,7 +235,43 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     o = o.reshape(b, t, hv, vd) if tokens else jnp.zeros((b, t, hv, vd), q.dtype)
     if indexed:
         return o, ht
-    return o, (ht if opts.output_final_state else None)
+    final = ht if opts.output_final_state else None
+    return (o, final) if ckpt.chunks == 0 else (o, final, out["hc"])
+
+
+class _Checkpoints(NamedTuple):
+    """The state-output kernel's checkpoint arguments: CHECKPOINT_CHUNKS, the
+    ckpt_idx table (a host array: the [C, ...] output's offsets; or a pool's
+    indices [N, J], device data; None: none), ckpt_cols (J, or 0) and the hc
+    output (the [C, ...] checkpoints, or a stand-in when there are none or
+    they go into a pool's rows)."""
+
+    chunks: int
+    table: object
+    cols: int
+    shape: jax.ShapeDtypeStruct
+
+    def index(self):
+        # A host table becomes a small constant of the program.
+        return stand_in(np.int32) if self.table is None else jnp.asarray(self.table)
+
+
+_STAND_IN_OUT = jax.ShapeDtypeStruct((4,), jnp.float32)
+_NO_CHECKPOINTS = _Checkpoints(0, None, 0, _STAND_IN_OUT)
+
+
+def _checkpoint_args(bounds, pool, every, indices, chunk_size: int,
+                     state_row: tuple) -> _Checkpoints | None:
+    """The checkpoint arguments of a call with ``checkpoint_every=every``, or
+    None without. ``state_row``: one state's shape (HV, ., .)."""
+    if every is None:
+        return None
+    chunks = every // chunk_size
+    if pool is not None:
+        return _Checkpoints(chunks, indices, int(indices.shape[1]), _STAND_IN_OUT)
+    offsets = checkpoint_offsets(bounds, every)
+    return _Checkpoints(chunks, offsets, 0,
+                        jax.ShapeDtypeStruct((int(offsets[-1]),) + tuple(state_row), jnp.float32))
 
 
 def segmented_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -259,11 +321,12 @@ def _segmented_state_output(p, tables, launches, initial_state, out_dtype, *, hv
     out = launch_kernel(
         state,
         inputs=dict(w=p["w"], u=p["u"], qg=p["qg"], kt=p["kt"], aqk=p["aqk"], gl=p["gl"],
-                    h0=starts, read_idx=no_index, write_idx=no_index,
+                    h0=starts, read_idx=no_index, write_idx=no_index, ckpt_idx=no_index,
                     **meta, n_seqs=n_seg, n_tokens=tokens,
-                    n_chunk_rows=n_chunk_rows, slots=0),
+                    n_chunk_rows=n_chunk_rows, slots=0, ckpt_cols=0),
         outputs=dict(o=sds((tokens, hv, vd), out_dtype),
-                     ht=sds((n_seg, hv, kd, vd) if opts.output_final_state else (4,), f32)),
+                     ht=sds((n_seg, hv, kd, vd) if opts.output_final_state else (4,), f32),
+                     hc=_STAND_IN_OUT),
         grid=(n_seg, hv, -(-vd // state.constexprs["BV"])), name="kda_fwd_state_output_seg")
     o = out["o"].reshape(b, t, hv, vd)
     if not opts.output_final_state:
@@ -274,18 +337,26 @@ def _segmented_state_output(p, tables, launches, initial_state, out_dtype, *, hv
 
 def chunk_kda_triton_serving(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                              opts: KdaOptions, bounds, config: ForwardConfig,
-                             pool: state_pool.StatePool | None = None):
-    """:func:`chunk_kda_triton` for the serving forms (a pool, or a VarlenBatch
-    as ``bounds``), which are forward only: jax.grad and jax.vmap of it raise
-    (:mod:`kda_jax.triton.forward_only`) instead of failing inside JAX."""
-    with_what = "a state_cache" if pool is not None else "a VarlenBatch as cu_seqlens"
+                             pool: state_pool.StatePool | None = None,
+                             checkpoint_every: int | None = None, checkpoint_indices=None):
+    """:func:`chunk_kda_triton` for the serving forms (a pool, a VarlenBatch
+    as ``bounds``, or prefill checkpoints), which are forward only: jax.grad
+    and jax.vmap of it raise (:mod:`kda_jax.triton.forward_only`) instead of
+    failing inside JAX."""
+    with_what = ("a state_cache" if pool is not None else
+                 "a VarlenBatch as cu_seqlens" if checkpoint_every is None else
+                 f"checkpoint_every={checkpoint_every}")
     form = (f"chunk_kda on the Triton path (implementation='triton', the default on a GPU) "
             f"with {with_what}")
 
-    def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool):
+    def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool, checkpoint_indices):
         return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
-                                bounds=bounds, config=config, pool=pool)
+                                bounds=bounds, config=config, pool=pool,
+                                checkpoint_every=checkpoint_every,
+                                checkpoint_indices=checkpoint_indices)
 
     outs = ("o", "state" if pool is None else "cache")
-    return forward_only(partitioned(run, CALL, outs), form)(
-        q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool)
+    if checkpoint_every is not None and pool is None:
+        outs += ("checkpoints",)
+    return forward_only(partitioned(run, CALL + ("checkpoint_indices",), outs), form)(
+        q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool, checkpoint_indices)

@@ -67,6 +67,10 @@ ROLES = {
     "A_log": (_HV,), "dt_bias": (_HVK,),
     "cache": (None, _HV, None, None), "indices": (None,), "has_initial_state": (None,),
     "metadata": (None,),  # a VarlenBatch's buffer
+    # Prefill checkpoints: [C, HV, ., .], each sequence's in order (with one
+    # sequence per row, a row's checkpoints are a contiguous block of C), and
+    # a pool's checkpoint rows [N, J].
+    "checkpoints": (_N, _HV, None, None), "checkpoint_indices": (None, None),
 }
 
 # The kernel-level calls' positional arguments: the forward and the decode
