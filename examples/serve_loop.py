@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--max-seqs", type=int, help="sequences per call (the buckets); default 16 / 6")
     p.add_argument("--max-prompt", type=int, help="longest prompt; default 1300 / 80")
     p.add_argument("--drafts", type=int, default=3, help="S, draft tokens per verify")
+    p.add_argument("--checkpoint-every", type=int, choices=(32, 64),
+                   help="prefix checkpoints every n tokens (the chunk size); default 64 / 32")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="q, k, v dtype; default bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--check", type=int, default=0, help="check the first N steps")
@@ -66,6 +68,7 @@ def parse_args(argv=None):
     a.max_seqs = a.max_seqs or (16 if gpu else 6)
     a.max_prompt = a.max_prompt or (1300 if gpu else 80)
     a.dtype = a.dtype or ("bfloat16" if gpu else "float32")
+    a.checkpoint_every = a.checkpoint_every or (64 if gpu else 32)
     a.implementation = None if a.implementation == "none" else a.implementation
     if min(a.steps, a.heads, a.head_dim, a.max_seqs, a.max_prompt, a.drafts + 1) < 1:
         p.error("--steps, --heads, --head-dim, --max-seqs, --max-prompt must be >= 1 and "
@@ -157,7 +160,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     rng = np.random.default_rng(a.seed)
     d, h, w = a.head_dim, a.heads, 1 + a.drafts
-    every = 64
+    every = a.checkpoint_every
     slots = 2 * a.max_seqs * (w + -(-a.max_prompt // every))
     sched = Scheduler(rng, max_seqs=a.max_seqs, max_prompt=a.max_prompt, drafts=a.drafts,
                       slots=slots, every=every)

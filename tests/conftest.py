@@ -7,6 +7,7 @@ quantity) by the ``check_close`` fixture and printed in the terminal summary.
 from __future__ import annotations
 
 import os
+import sys
 
 # Four host CPU devices, so that the sharding tests (shard_map, sharded jit,
 # context parallel) run on any machine; XLA reads this when the CPU backend
@@ -173,6 +174,9 @@ def example():
         spec = importlib.util.spec_from_file_location(
             f"example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
+        # Registered before it runs, as an import does: dataclasses look
+        # their module up in sys.modules.
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         return module
 

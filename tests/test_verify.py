@@ -244,5 +244,5 @@ def test_verify_refuses_checkpoints():
     with pytest.raises(ValueError, match="a verify already keeps the state after every token"):
         kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, state_cache=_pool(0),
                           state_indices=np.array([[0, 1], [2, 3]], np.int32),
-                          checkpoint_every=64, checkpoint_indices=np.full((2, 1), 5, np.int32),
+                          checkpoint_every=64, checkpoint_indices=np.array([[5], [6]], np.int32),
                           implementation="xla")
