@@ -21,9 +21,9 @@ writes JSON, and exits 1 when a compile fails or a kernel spills to memory:
   ``scratch`` the stack frame and ``local_ops`` the PTX's local-memory loads
   and stores; failure is spill stores > 0, a stack frame the PTX loads or
   stores (ptxas keeps an 8-byte frame for a declared but unused local depot,
-  which costs nothing) or shared memory over 227 KB. Occupancy is resident warps per SM from registers (65536, 256
-  per warp granule), shared memory (228 KB, 1 KB reserved per block) and the
-  64-warp limit.
+  which costs nothing) or shared memory over 227 KB. Occupancy is resident
+  warps per SM from registers (65536, 256 per warp granule), shared memory
+  (228 KB, 1 KB reserved per block) and the 64-warp limit.
 
 ``lds_bytes`` is ``compiled.metadata.shared`` (what a launch allocates).
 
@@ -140,9 +140,9 @@ FLAG_SETS = ("default", "all")
 # The kernels whose state buffer may be a 16-bit pool (Spec.state).
 POOL_KERNELS = ("kda_fwd_state_output_kernel", "kda_fused_recurrent_kernel")
 # The spec whose pool is bfloat16 (the rounding store compiled on every
-# target): one existing spec rather than new rows, a CI-time budget; its
-# decode kernel no longer shares main/c32/all's binary (the one extra compile
-# per target), and main/c32/all keeps the float32 forms at the main shape.
+# target): one existing spec rather than new rows, for CI time; its decode
+# kernel differs from main/c32/all's (one more compile per target), and
+# main/c32/all keeps the float32 forms at the main shape.
 BF16_POOL_SPEC = ("main", 64, "all")
 ALL_CHECKPOINT_CHUNKS = 2
 

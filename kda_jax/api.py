@@ -306,14 +306,14 @@ def chunk_kda(
         read_indices=read_indices, write_indices=write_indices,
         num_accepted_tokens=num_accepted_tokens,
     )
+    if checkpoint_every is not None and state_pool.token_rows(pool) is not None:
+        raise ValueError(
+            f"checkpoint_every={checkpoint_every!r} with a speculative-verify state_indices of "
+            f"shape {tuple(pool.write_indices.shape)}: a verify already keeps the state after "
+            "every token in its rows; drop checkpoint_every, or pass state_indices [N]")
     every, ckpt_rows = check_checkpoints(checkpoint_every, checkpoint_indices,
                                          chunk_size=opts.chunk_size, bounds=bounds, pool=pool,
                                          context_axis=context_axis)
-    if every is not None and state_pool.token_rows(pool) is not None:
-        raise ValueError(
-            f"checkpoint_every={every} with a speculative-verify state_indices of shape "
-            f"{tuple(pool.write_indices.shape)}: a verify already keeps the state after "
-            "every token in its rows; drop checkpoint_every, or pass state_indices [N]")
     backend = _choose_backend(implementation, q, v)
     if bounds is None:
         out = _no_sequence(q, v, opts, pool)
@@ -379,7 +379,8 @@ chunk_kda.__doc__ = (
         (the state after the last token is the final state, not a
         checkpoint). Checkpoint j of a sequence equals the final state of a
         call on its first j * n tokens from the same initial state, on the
-        same path: bit for bit on the Triton path, to float32 rounding on the
+        same path: bit for bit on the Triton path (against an unsegmented
+        call: the segmented chain rounds otherwise), to float32 rounding on the
         XLA path (its scan's products round with the number of lanes the
         sequences are packed in). Host bounds only (C is fixed at trace
         time); with a VarlenBatch use the pool form. Such calls run
@@ -396,8 +397,8 @@ chunk_kda.__doc__ = (
         when values change) or NumPy, which is checked on the host where the
         bounds are known: rows in [0, slots), each named once and none a row
         a final state is written to. Device indices are not checked: an index
-        outside [0, slots) skips, a row written twice is undefined, and with
-        a device VarlenBatch so are columns past J. A checkpoint row that
+        outside [0, slots) skips and a row written twice is undefined;
+        columns past J skip on both paths. A checkpoint row that
         another sequence of the same call reads is undefined on the Triton
         path (its programs run in any order).
 

@@ -354,34 +354,42 @@ def _real_slots(bounds) -> int | None:
     return None if header is None else header[0]
 
 
+def _host_rows(idx: np.ndarray, valid: np.ndarray, slots: int, name: str, *,
+               shared_rows: bool = False, skip: str = "-1 for a padding slot",
+               owners: str = "sequences") -> np.ndarray:
+    """NumPy pool indices of any rank: the entries where ``valid`` must name
+    rows in [0, slots) or be negative, distinct unless ``shared_rows`` (rows
+    only read); errors give the entry's position in ``idx``. Returns int64
+    rows, -1 for every negative or invalid entry."""
+    at = lambda pos: ", ".join(str(int(i)) for i in pos)
+    rows = np.where(valid & (idx >= 0), idx, -1)  # compared in idx's own dtype: nothing wraps
+    past = np.argwhere(rows >= slots)
+    if past.size:
+        raise ValueError(
+            f"{name}[{at(past[0])}]={int(idx[tuple(past[0])])} is >= slots={slots} "
+            f"(state_cache.shape[0]); use a row in [0, slots), or {skip}")
+    rows = rows.astype(np.int64)
+    named, counts = np.unique(rows[rows >= 0], return_counts=True)
+    if np.any(counts > 1) and not shared_rows:
+        row = int(named[np.flatnonzero(counts > 1)[0]])
+        where = [f"[{at(p)}]" for p in np.argwhere(rows == row)[:4]]
+        raise ValueError(
+            f"{name} names row {row} more than once (at {', '.join(where)}); two {owners} "
+            f"cannot share a pool row (which state lands there would be undefined): give "
+            f"each its own row, or {skip}")
+    return rows
+
+
 def _check_host_indices(idx: np.ndarray, slots: int, real: int, name: str = "state_indices",
                         shared_rows: bool = False) -> np.ndarray:
-    """NumPy indices: the first ``real`` entries must name rows in [0, slots)
-    or be negative (padding), distinct unless ``shared_rows`` (rows only read:
-    sequences may start from one cached prefix); the rest are padding slots of
-    a batch and become -1 unseen. Returns them as int32, every padding slot -1."""
-    live = idx[:real]
-    past = np.flatnonzero(live >= slots)  # compared in idx's own dtype: nothing wraps
-    if past.size:
-        i = int(past[0])
-        raise ValueError(
-            f"{name}[{i}]={int(live[i])} is >= slots={slots} (state_cache.shape[0]); "
-            "use a row in [0, slots), or -1 for a padding slot"
-        )
-    rows = np.where(live < 0, -1, live).astype(np.int64)
-    named, counts = np.unique(rows, return_counts=True)
-    shared = np.flatnonzero((named >= 0) & (counts > 1))
-    if shared.size and not shared_rows:
-        row = int(named[shared[0]])
-        at = np.flatnonzero(rows == row)[:4].tolist()
-        raise ValueError(
-            f"{name} names row {row} more than once (at positions {at}); two "
-            "sequences cannot share a pool row (which final state lands there would be "
-            "undefined): give each sequence its own row, or -1 for padding"
-        )
-    out = np.full(idx.shape, -1, np.int32)
-    out[:real] = rows
-    return out
+    """NumPy indices ``[N]`` or ``[N, W]``: the first ``real`` rows must name
+    pool rows in [0, slots) or be negative (padding), distinct unless
+    ``shared_rows`` (rows only read: sequences may start from one cached
+    prefix); the rest are padding slots of a batch and become -1 unseen.
+    Returns them as int32, every padding slot -1."""
+    live = np.arange(idx.shape[0]).reshape((-1,) + (1,) * (idx.ndim - 1)) < real
+    return _host_rows(idx, np.broadcast_to(live, idx.shape), slots, name,
+                      shared_rows=shared_rows).astype(np.int32)
 
 
 def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: int,
@@ -407,10 +415,11 @@ def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: 
             f"rows and at least one column, got shape {tuple(state_indices.shape)}")
     dtype = np.dtype(state_indices.dtype)
     if not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
-        raise TypeError(f"state_indices must be an int32 array [N, 1 + drafts], got dtype {dtype}")
+        raise TypeError(f"state_indices must be an int32 array [N, 1 + drafts], got dtype "
+                        f"{dtype}; pass np.asarray(state_indices, np.int32)")
     real = _real_slots(bounds)
-    if isinstance(bounds, SeqBounds):
-        lens = np.diff(bounds.cu_seqlens)
+    lens = None if bounds is None else _host_lengths(bounds)
+    if lens is not None:
         long = np.flatnonzero(lens > w)
         if long.size:
             i = int(long[0])
@@ -420,10 +429,7 @@ def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: 
                 f"give state_indices at least {int(lens.max())} columns, or verify at most {w} "
                 f"tokens per sequence")
     if isinstance(state_indices, np.ndarray) and real is not None:
-        flat = _check_host_indices(state_indices[:real].reshape(-1), slots, real * w,
-                                   "state_indices (flattened [N, 1 + drafts])")
-        rows = np.full((n, w), -1, np.int32)
-        rows[:real] = flat.reshape(real, w)
+        rows = _check_host_indices(state_indices, slots, real)
     else:
         rows = state_pool.narrow_indices(state_indices, slots)
     if num_accepted_tokens is None:
@@ -587,24 +593,11 @@ def _check_checkpoint_rows(idx: np.ndarray, used: np.ndarray, slots: int,
     once, and none a row a final state is written to (``final_rows``, NumPy
     int32 [N] or None when device data). Returns them as int32, -1 for every
     entry skipped or unused."""
-    rows = np.where(used & (idx >= 0), idx, -1)  # compared in idx's dtype: nothing wraps
-    past = np.argwhere(rows >= slots)
-    if past.size:
-        n, j = (int(i) for i in past[0])
-        raise ValueError(
-            f"checkpoint_indices[{n}, {j}]={int(idx[n, j])} is >= slots={slots} "
-            "(state_cache.shape[0]); use a row in [0, slots), or -1 to skip that checkpoint")
-    rows = rows.astype(np.int64)
-    named, counts = np.unique(rows[rows >= 0], return_counts=True)
-    if np.any(counts > 1):
-        row = int(named[np.flatnonzero(counts > 1)[0]])
-        at = [tuple(int(i) for i in a) for a in np.argwhere(rows == row)[:4]]
-        raise ValueError(
-            f"checkpoint_indices names row {row} more than once (at {at}); two checkpoints "
-            "cannot share a pool row: give each its own row, or -1 to skip one")
+    rows = _host_rows(idx, used, slots, "checkpoint_indices",
+                      skip="-1 to skip that checkpoint", owners="checkpoints")
     if final_rows is not None:
         final = np.asarray(final_rows)
-        both = np.intersect1d(named, final[final >= 0])
+        both = np.intersect1d(rows[rows >= 0], final[final >= 0])
         if both.size:
             row = int(both[0])
             n, j = (int(i) for i in np.argwhere(rows == row)[0])

@@ -87,7 +87,8 @@ def read_index(pool: StatePool) -> jax.Array:
 
 
 def write_index(pool: StatePool) -> jax.Array:
-    """int32 ``[N]``: the row each sequence's final state goes to, negative for none."""
+    """int32 ``[N]``: the row each sequence's final state goes to, negative for
+    none; or a verify's ``[N, W]`` rows of the states after each token."""
     return pool.indices if pool.write_indices is None else pool.write_indices
 
 

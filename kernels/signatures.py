@@ -55,7 +55,7 @@ SIGNATURES = {
                 ("ckpt_idx", I32_PTR))
         + _META_SEQS + (("n_seqs", I32), ("n_tokens", I32), ("n_chunk_rows", I32),
                         ("slots", I32), ("ckpt_cols", I32)),
-        outputs=(("o", IN), ("ht", STATE), ("hc", STATE)),
+        outputs=(("o", IN), ("ht", STATE), ("hc", F32)),
     ),
     "kda_fused_recurrent_kernel": Signature(
         "fused_recurrent",

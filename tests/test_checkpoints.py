@@ -222,9 +222,15 @@ def test_bucketed_pool_form_in_jit(impl):
     """The serving form: a VarlenBatch, the pool and device checkpoint indices
     as arguments of one jitted step. New index values and new bounds of the
     bucket reuse the executable; the rows equal the host-bounds call's."""
-    pool = jnp.asarray(_pool(8))
+    pool = _pool(8).copy()
+    # The two padded slots name rows of their own, NaN: they must read and
+    # write none of them.
+    pad_idx, pad_ckpt = np.array([14, 15], np.int32), np.array([[16, 17, 18], [19, 13, 23]],
+                                                              np.int32)
+    pool[np.r_[pad_idx, pad_ckpt.ravel()]] = np.nan
+    pool = jnp.asarray(pool)
     bucket = kda_jax.Bucket(8, 256, CHUNK)
-    pad = lambda a: np.concatenate([a, np.full((8 - len(a),) + a.shape[1:], -1, a.dtype)])
+    pad = lambda a, rows: np.concatenate([a, rows])
 
     @jax.jit
     def step(pool, idx, ckpt_idx, batch, q, k, v, g, beta):
@@ -239,7 +245,10 @@ def test_bucketed_pool_form_in_jit(impl):
         ckpt_idx = np.where(CKPT_IDX >= 0, CKPT_IDX + shift, -1).astype(np.int32)
         batch = kda_jax.VarlenBatch.build(cu, bucket)
         args = [batch.pad_tokens(a) for a in x.args()]
-        _, new = step(pool, jnp.asarray(pad(IDX)), jnp.asarray(pad(ckpt_idx)), batch, *args)
+        _, new = step(pool, jnp.asarray(pad(IDX, pad_idx)), jnp.asarray(pad(ckpt_idx, pad_ckpt)),
+                      batch, *args)
+        for r in np.r_[pad_idx, pad_ckpt.ravel()]:
+            np.testing.assert_array_equal(np.asarray(new[r]), np.asarray(pool[r]))
         _, host = kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, state_cache=pool,
                                     state_indices=IDX, checkpoint_every=64,
                                     checkpoint_indices=ckpt_idx, chunk_size=CHUNK,
@@ -358,7 +367,7 @@ ROWS = np.array([[3, 4, 5], [-1, -1, -1], [6, 7, 8]], np.int32)
     (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 7, SLOTS, ROWS), **POOL),
      ValueError, r"checkpoint_indices\[2, 1\]=24 is >= slots=24"),
     (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 7, 3, ROWS), **POOL),
-     ValueError, r"checkpoint_indices names row 3 more than once \(at \[\(0, 0\), \(2, 1\)\]\)"),
+     ValueError, r"checkpoint_indices names row 3 more than once \(at \[0, 0\], \[2, 1\]\)"),
     (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 6, 2, ROWS), **POOL),
      ValueError, r"checkpoint_indices\[2, 0\]=2 is also the row sequence 2's final state"),
 ])

@@ -547,6 +547,9 @@ def test_verify_errors():
         layer.verify(x, cache=pool.at(np.array([0, 1], np.int32)))
     with pytest.raises(ValueError, match=r"state_indices are \[N, 1 \+ S\] = \(2, 3\)"):
         layer.verify(x, cache=pool.at(np.zeros((2, 2), np.int32)))
+    with pytest.raises(ValueError, match=r"speculative verify's \[N, 1 \+ S\] rows; run the "
+                                         r"step with layer.verify"):
+        layer(x, cache=pool.at(np.arange(6, dtype=np.int32).reshape(2, 3)))
     with pytest.raises(ValueError, match=r"num_accepted_tokens\[1\]=4 is outside \[1, 3\]"):
         layer.verify(x, cache=pool.at(np.arange(6, dtype=np.int32).reshape(2, 3)),
                      num_accepted_tokens=np.array([1, 4], np.int32))

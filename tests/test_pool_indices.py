@@ -88,7 +88,7 @@ def test_padded_bucket_slots_indices_are_ignored_on_the_host(fn, impl, check_clo
 @pytest.mark.parametrize("idx,match", [
     ([0, 4, -1, -1], r"state_indices\[1\]=4 is >= slots=4"),
     ([0, BIG, -1, -1], rf"state_indices\[1\]={BIG} is >= slots=4"),
-    ([3, 3, -1, -1], r"state_indices names row 3 more than once \(at positions \[0, 1\]\)"),
+    ([3, 3, -1, -1], r"state_indices names row 3 more than once \(at \[0\], \[1\]\)"),
 ])
 def test_real_slots_are_still_checked_on_the_host(idx, match):
     x, cu = _inputs()

@@ -348,7 +348,7 @@ ERROR_CASES = [
     ("indices-past-end", dict(state_indices=np.array([0, 6, 1])), ValueError,
      r"state_indices\[1\]=6 is >= slots=6 \(state_cache.shape\[0\]\); use a row in \[0, slots\)"),
     ("indices-duplicate", dict(state_indices=np.array([2, -1, 2])), ValueError,
-     r"state_indices names row 2 more than once \(at positions \[0, 2\]\)"),
+     r"state_indices names row 2 more than once \(at \[0\], \[2\]\)"),
     ("has-int", dict(has_initial_state=np.ones(3, np.int32)), TypeError,
      r"has_initial_state must be a bool array \[N\], got dtype int32"),
     ("has-length", dict(has_initial_state=np.ones(4, bool)), ValueError,

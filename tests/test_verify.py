@@ -223,7 +223,8 @@ def _call(**kw):
     (dict(state_indices=np.array([[0], [2]])),
      ValueError, "sequence 0 has 2 tokens but state_indices has 1 columns"),
     (dict(state_indices=np.array([[0, 1], [1, 3]])), ValueError, "names row 1 more than once"),
-    (dict(state_indices=np.array([[0, 1], [2, 99]])), ValueError, "99 is >= slots=20"),
+    (dict(state_indices=np.array([[0, 1], [2, 99]])), ValueError,
+     r"state_indices\[1, 1\]=99 is >= slots=20"),
     (dict(state_indices=np.array([[0, 1], [2, 3], [4, 5]])), ValueError, "N = .* = 2 rows"),
     (dict(state_indices=np.array([0, 1]), num_accepted_tokens=np.array([1, 1])),
      ValueError, r"num_accepted_tokens is only used with a speculative-verify"),
@@ -246,3 +247,24 @@ def test_verify_refuses_checkpoints():
                           state_indices=np.array([[0, 1], [2, 3]], np.int32),
                           checkpoint_every=64, checkpoint_indices=np.array([[5], [6]], np.int32),
                           implementation="xla")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_verify_device_count_outside_the_columns_reads_zeros(impl, check_close):
+    """A device count outside [1, W] cannot be checked on the host: the
+    sequence reads no row (zeros), as a padding index does, and still writes
+    its tokens' states; has_initial_state False reads none either."""
+    lens, w = [2, 2, 2], 2
+    x, cu = _inputs(21, lens)
+    rows, pool = _rows(22, 3, w), _pool(23)
+    acc = jnp.asarray(np.array([0, 3, 2], np.int32))
+    has = jnp.asarray(np.array([True, True, False]))
+    o, new = jax.jit(lambda p, a, h: kda_jax.fused_recurrent_kda(
+        *x.args(), cu_seqlens=cu, state_cache=p, state_indices=rows, num_accepted_tokens=a,
+        has_initial_state=h, implementation=impl))(pool, acc, has)
+    ro, r_after = _reference_states(x, cu, np.zeros((3, HV, K, V), np.float32))
+    check_close(o, ro, "float32", "o")
+    for i in range(3):
+        for t in range(w):
+            if rows[i, t] >= 0:
+                check_close(np.asarray(new)[rows[i, t]], r_after[(i, t)], "float32", "state")

@@ -39,8 +39,9 @@ class KDACache(NamedTuple):
       (``init_cache(n, state_dtype=...)``): computed on in float32, a 16-bit
       one rounded once per call as it is written back (the kernels round a
       pool's rows; the layer rounds a dense cache's final states).
-    state_indices: None (dense form: rows = N sequences) or int32 ``[N]``
-      (serving form: rows = pool slots).
+    state_indices: None (dense form: rows = N sequences), int32 ``[N]``
+      (serving form: rows = pool slots), or int32 ``[N, 1 + S]`` for
+      :meth:`KimiDeltaAttention.verify` (the rows of each token's states).
     has_initial_state: bool ``[N]`` or None; serving form only.
     """
 

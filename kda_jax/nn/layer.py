@@ -195,6 +195,11 @@ class KimiDeltaAttention(nnx.Module):
             each new state once (to nearest even) as it writes it back.
         """
         num_seqs = _positive(num_seqs, "num_seqs", least=0)
+        try:
+            np.dtype(state_dtype)
+        except TypeError as e:
+            raise TypeError(f"state_dtype={state_dtype!r} is not a dtype; pass jnp.float32, "
+                            "jnp.bfloat16 or jnp.float16") from e
         if np.dtype(state_dtype) not in _FLOAT:
             raise TypeError(f"state_dtype={np.dtype(state_dtype)} must be float32, bfloat16 "
                             "or float16 (the KDA state's storage; it is computed on in "
@@ -307,6 +312,12 @@ class KimiDeltaAttention(nnx.Module):
         conv_bounds, kda_bounds, n, what = self._bounds(x, cu_seqlens)
         if cache is not None:
             self._check_cache(cache, n, what)
+            idx = cache.state_indices
+            if idx is not None and getattr(idx, "ndim", 1) != 1:
+                raise ValueError(
+                    f"cache.state_indices of shape {tuple(idx.shape)} are a speculative "
+                    "verify's [N, 1 + S] rows; run the step with layer.verify, or give this "
+                    "call one row per sequence: cache.at(rows[n, num_accepted[n] - 1])")
         b, t, _ = x.shape
         layout = (token_layout(conv_bounds, b * t)
                   if self.use_short_conv and conv_bounds is not None else None)
@@ -372,22 +383,24 @@ class KimiDeltaAttention(nnx.Module):
         self._check_cache(cache, n, "B")
         layout = (token_layout(SeqBounds.from_lengths(np.full(n, w, np.int64)), n * w)
                   if self.use_short_conv else None)
-        start = (jnp.asarray(idx)[:, 0] if num_accepted_tokens is None
-                 else state_pool.start_rows(idx, num_accepted_tokens))
+        # The conv rows narrowed as the kernels narrow theirs (an index past
+        # the pool is none, whatever its integer width).
+        rows = state_pool.narrow_indices(jnp.asarray(idx), cache.recurrent.shape[0])
+        start = (rows[:, 0] if num_accepted_tokens is None
+                 else state_pool.start_rows(rows, num_accepted_tokens))
 
-        def convolve(conv, rows, field):
+        def convolve(conv, x_rows, field):
             if conv is None:
-                return jax.nn.silu(rows), None
+                return jax.nn.silu(x_rows), None
             states = getattr(cache, field)
-            read = state_pool.StatePool(states, state_pool.narrow_indices(start, states.shape[0]),
-                                        cache.has_initial_state)
-            init = state_pool.read_states(read).astype(rows.dtype)
-            y = conv(rows, layout, init)[0]
+            read = state_pool.StatePool(states, start, cache.has_initial_state)
+            init = state_pool.read_states(read).astype(x_rows.dtype)
+            y = conv(x_rows, layout, init)[0]
             # Each token's conv state: the W - 1 inputs up to it, oldest first.
-            full = jnp.concatenate([init, rows.reshape(n, w, -1)], axis=1)
+            full = jnp.concatenate([init, x_rows.reshape(n, w, -1)], axis=1)
             span = states.shape[1]
             windows = jnp.stack([full[:, i + 1:i + 1 + span] for i in range(w)], axis=1)
-            return y, state_pool.write_rows(states, jnp.asarray(idx).reshape(-1),
+            return y, state_pool.write_rows(states, rows.reshape(-1),
                                             windows.reshape((n * w,) + states.shape[1:]))
 
         kw = dict(state_cache=cache.recurrent, state_indices=idx,
