@@ -3,14 +3,16 @@
 #
 #   bash bench/run_gpu.sh [STAGE...]        (no stage: tests forward backward serving decode plot)
 #
-#   tests     the Triton test tiers natively (forward, decode, pool, bucketed, gradients)
+#   tests     the Triton test tiers natively (forward, decode, pool, bucketed, gradients,
+#             gate regimes, verify, checkpoints, 16-bit pool drift)
 #   forward   bench.forward over SHAPES (default the dense sweep) at every regime of GATES, then
 #             the serving batch (varlen): $OUT/forward.json, $OUT/forward-varlen.json
 #   backward  bench.backward (forward + backward), the same rows: $OUT/backward.json
 #   layer     bench.layer: the Flax layer's forward, training step and decode against fla's
 #             layer at the softplus and safe gates (LAYER_GATES): $OUT/layer.json
 #   serving   bench.serving: the mixed serving step, bucketed and static, against fla
-#   decode    bench.decode: dense and pool decode steps against fla, with alternating rounds
+#   decode    bench.decode: dense, float32 / bf16 pool and verify steps against fla, with
+#             alternating rounds; then bench.pool_drift on the Triton path: $OUT/pool16-drift.json
 #   plot      bench.plot: PNG charts of the JSON written here
 #   tune-forward, tune-backward, tune-decode   the config tuners (bench/tune/)
 #   profile   Nsight Compute on one chunk_kda call (bench.profile_target at PROFILE_SHAPE,
@@ -83,7 +85,8 @@ for stage in "${stages[@]}"; do
       timeout "$limit" python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \
         tests/test_state_pool.py tests/test_bucketed.py tests/test_triton_grad.py \
         tests/test_gate_extremes.py tests/test_nonfinite.py tests/test_forward_only.py \
-        tests/test_pool_indices.py tests/test_example_train.py \
+        tests/test_pool_indices.py tests/test_example_train.py tests/test_gate_regimes.py \
+        tests/test_verify.py tests/test_checkpoints.py tests/test_pool_drift.py \
         -q -ra -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
       tail -25 "$OUT/pytest_gpu.log" ;;
     forward)
@@ -105,7 +108,9 @@ for stage in "${stages[@]}"; do
         | tee "$OUT/serving.log" | tail -10 ;;
     decode)
       timeout "$limit" python3 -m bench.decode --rounds "${ROUNDS:-6}" --json "$OUT/decode.json" 2>&1 \
-        | tee "$OUT/decode.log" | tail -16 ;;
+        | tee "$OUT/decode.log" | tail -20
+      timeout "$limit" python3 -m bench.pool_drift --implementation triton \
+        --json "$OUT/pool16-drift.json" 2>&1 | tail -6 ;;
     plot)
       python3 -m bench.plot --results "$OUT" ;;
     tune-forward|tune-backward|tune-decode)
