@@ -95,12 +95,12 @@ def _reference_states(x, cu, h0):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("fn", list(FNS))
-@pytest.mark.parametrize("drafts,lens,acc", [
-    (0, [1, 1, 1], [1, 1, 1]),                 # no drafts: a plain decode step
-    (1, [2, 2, 2, 2], [1, 2, 2, 1]),
-    (3, [4, 1, 0, 3], [4, 1, 2, 3]),           # shorter and empty sequences
-], ids=["S0", "S1", "S3-varlen"])
+@pytest.mark.parametrize("fn,drafts,lens,acc", [
+    ("recurrent", 0, [1, 1, 1], [1, 1, 1]),          # no drafts: a plain decode step
+    ("recurrent", 1, [2, 2, 2, 2], [1, 2, 2, 1]),
+    ("recurrent", 3, [4, 1, 0, 3], [4, 1, 2, 3]),    # shorter and empty sequences
+    ("chunk", 3, [4, 1, 0, 3], [4, 1, 2, 3]),        # chunk_kda runs the same kernel
+], ids=["S0", "S1", "S3-varlen", "S3-varlen-chunk"])
 def test_verify_equals_sequential_decodes(fn, impl, drafts, lens, acc, check_close):
     w = drafts + 1
     x, cu = _inputs(drafts, lens)
