@@ -283,17 +283,16 @@ def test_a_tree_is_timed_in_a_child_with_its_own_kda_jax(tmp_path):
     whose kda_jax fails to import gives error rows, not this process's times."""
     good, bad = _tree(tmp_path, "0123abc"), _tree(tmp_path, "broken", broken=True)
     args = argparse.Namespace(impls=f"tree:{good},tree:{bad}", varlen=None, heads=2, head_dim=16,
-                              gates="safe", shapes="1,40,1;1,8,1", json=str(tmp_path / "t.json"))
+                              gates="safe", shapes="1,40,1", json=str(tmp_path / "t.json"))
     times = sweep.run(args, [], module="bench.forward", mode="forward",
                       runner=lambda *a: pytest.fail("a tree is never timed in this process"))
-    assert [t[f"tree:{good}"] > 0 for t in times] == [True, True]
-    assert [t[f"tree:{bad}"] for t in times] == [None, None]
+    assert [t[f"tree:{good}"] > 0 for t in times] == [True]
+    assert [t[f"tree:{bad}"] for t in times] == [None]
     records = json.load(open(args.json))
     by_impl = {}
     for r in records:
         by_impl.setdefault(r["implementation"], []).append(r)
-    assert [(r["gates"], r["T"]) for r in by_impl[f"kda_jax-tree:{good}"]] == [("safe", 40),
-                                                                                ("safe", 8)]
+    assert [(r["gates"], r["T"]) for r in by_impl[f"kda_jax-tree:{good}"]] == [("safe", 40)]
     assert {r["tree_commit"] for r in by_impl[f"kda_jax-tree:{good}"]} == {"0123abc"}
     assert all("the tree was taken" in r["error"] for r in by_impl[f"kda_jax-tree:{bad}"])
 
