@@ -402,8 +402,9 @@ def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: 
     the ``[N, W]`` rows of the states after each token.
 
     NumPy indices are checked on the host as 1-D ones are (written rows in
-    range and distinct over the whole matrix); with host bounds, every
-    sequence must fit its W columns. NumPy counts are checked to lie in [1, W]."""
+    range and distinct over the whole matrix); where the host knows the
+    lengths (host bounds, a NumPy VarlenBatch), every sequence must fit its W
+    columns. NumPy counts are checked to lie in [1, W]."""
     if not hasattr(state_indices, "shape") or not hasattr(state_indices, "dtype"):
         raise TypeError(
             f"state_indices must be an int32 array [N] or [N, 1 + drafts], got "
