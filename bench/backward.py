@@ -1,7 +1,7 @@
 """chunk_kda forward + backward: kda_jax (Triton, XLA) against fla's chunk_kda and cuDNN's
 kimi_delta_attention (PyTorch autograd, one child process) in one run, on a GPU.
 
-    python -m bench.backward [--gates mild,safe,layer] [--impls triton,fla,cudnn,xla]
+    python -m bench.backward [--gates init,softplus,layer,mild,strong] [--impls triton,fla,cudnn,xla]
                              [--shapes "1,8192,32"] [--varlen 1,1,1100,1300] [--json PATH]
 
 Timed: one step computing o = chunk_kda(q, k, v, g, beta) on bench.inputs.make_gated's
@@ -29,7 +29,7 @@ from bench import sweep
 from bench.timing import time_jax
 
 
-def jax_runner(impl, inputs, cu, gates="mild"):
+def jax_runner(impl, inputs, cu, gates="init"):
     """A timed closure: one jitted forward + backward of kda_jax.chunk_kda."""
     arrays, params, flags = sweep.kda_jax_inputs(inputs, gates)
     bounds = None if cu is None else kda_jax.SeqBounds(cu)

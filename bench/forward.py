@@ -1,7 +1,7 @@
 """chunk_kda forward: kda_jax (Triton, XLA) against fla's chunk_kda and cuDNN's
 kimi_delta_attention (PyTorch, one child process) in one run.
 
-    python -m bench.forward [--gates mild,safe,layer] [--impls triton,fla,cudnn,xla]
+    python -m bench.forward [--gates init,softplus,layer,mild,strong] [--impls triton,fla,cudnn,xla]
                             [--shapes "1,8192,32;1,65536,4"] [--varlen 1,1,1100,1300] [--json PATH]
 
 Timed: one call of o = chunk_kda(q, k, v, g, beta) on bench.inputs.make_gated's arrays at
@@ -40,7 +40,7 @@ def roofline_ms(b, t, h, kd, vd, chunk=64):
     return max(bytes_ / H200_BYTES_PER_S, flops / H200_BF16_FLOPS) * 1e3, bytes_, flops
 
 
-def jax_runner(impl, inputs, cu, gates="mild"):
+def jax_runner(impl, inputs, cu, gates="init"):
     """A timed closure of one jitted kda_jax.chunk_kda; its ``output()`` gives o (float32)."""
     arrays, params, flags = sweep.kda_jax_inputs(inputs, gates)
     bounds = None if cu is None else kda_jax.SeqBounds(cu)

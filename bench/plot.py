@@ -2,7 +2,7 @@
 
     python -m bench.plot [--results bench/results] [--out DIR]
 
-For every forward or backward file in --results (h200-forward.json,
+For every forward or backward file in --results (h100-forward.json,
 forward-varlen.json; not tune-*): each
 implementation's time over fla's for each gate regime and shape (bars; 1.0 is
 parity, below is faster), one bar per implementation (kda_jax's, cuDNN) with an

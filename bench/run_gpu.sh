@@ -26,13 +26,13 @@
 # sm90 engine compiles with NVRTC and the CUDA headers). A peer that is missing gives rows
 # that say "unavailable"; the others still run.
 # Results go to $OUT (default $TMPDIR/kda_jax-results); copy the files of record into
-# bench/results/ under their names there (h200-forward.json ...).
+# bench/results/ under their names there (h100-forward.json ...).
 #
 # Settings (environment):
 #   OUT         where logs and JSON go
 #   IMPLS       the sweeps' implementations, in order (default "triton,fla,cudnn"; add ",xla"
 #               for the XLA path last: its compiles take minutes)
-#   GATES       the sweeps' gate regimes (bench.inputs; default "mild safe layer"): one JSON
+#   GATES       the sweeps' gate regimes (bench.inputs; default "init softplus layer mild strong"): one JSON
 #               per benchmark holds them all, each row with its "gates"
 #   LAYER_GATES bench.layer's gate forms (default "softplus safe")
 #   BASELINE    optional: a kda_jax source tree (`git archive REV kda_jax kernels | tar -x -C
@@ -71,7 +71,7 @@ pack_autotune() {
 trap pack_autotune EXIT
 limit=${TIMEOUT:-900}
 impls=${IMPLS:-triton,fla,cudnn}${BASELINE:+,tree:$BASELINE}
-gates=${GATES:-mild safe layer}
+gates=${GATES:-init softplus layer mild strong}
 gates=${gates// /,}
 layer_gates=${LAYER_GATES:-softplus safe}
 serving_lengths=$(python3 -c 'from kda_jax.testing import SERVING_LENGTHS as s; print(",".join(map(str, s)))')

@@ -31,8 +31,9 @@ def add_arguments(p):
     p.add_argument("--impls", default="triton,fla,cudnn,xla",
                    help="measured in this order, each over every row: kda_jax's "
                         "implementations and variants, and the peers fla and cudnn")
-    p.add_argument("--gates", default="mild",
-                   help="comma-separated gate regimes (bench.inputs): mild, safe, layer")
+    p.add_argument("--gates", default="init",
+                   help="comma-separated gate regimes (bench.inputs.GATES): init, softplus, "
+                        "layer, mild, strong")
     p.add_argument("--varlen", default=None, help="comma-separated lengths: one B=1 call")
     p.add_argument("--heads", type=int, default=32, help="H for --varlen")
     p.add_argument("--head-dim", type=int, default=128)
@@ -150,7 +151,7 @@ def rows_of(args) -> list[tuple]:
 
 
 def gates_of(args) -> list[str]:
-    gates = (getattr(args, "gates", None) or "mild").split(",")
+    gates = (getattr(args, "gates", None) or "init").split(",")
     bad = [g for g in gates if g not in GATES]
     if bad or len(set(gates)) < len(gates):
         raise ValueError(f"--gates {args.gates!r}: distinct names among {', '.join(GATES)}")
@@ -226,7 +227,7 @@ def _line(case, results, impls, roof):
     """One table row: the times, triton / each peer and the roofline fraction."""
     gates, b, t, h, _ = case
     tri = results["triton"].get("ms") if "triton" in results else None
-    line = f"{gates:>5} {b:>2} {t:>6} {h:>3} " + " ".join(_cell(results[i]) for i in impls)
+    line = f"{gates:>8} {b:>2} {t:>6} {h:>3} " + " ".join(_cell(results[i]) for i in impls)
     for peer in (p for p in PEERS if p in impls and "triton" in impls):
         ms = results[peer].get("ms")
         line += f"  {tri / ms:>10.3f}" if tri and ms else f"  {'-':>10}"
@@ -275,7 +276,7 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
                     **row[impl], **ratios, **fields))
         run_meta.write_rows(args.json, run_meta.stamp(records, meta))
 
-    header = (f"{'gates':>5} {'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
+    header = (f"{'gates':>8} {'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
               + "".join(f"  {'triton/' + p:>10}" for p in PEERS if p in impls and "triton" in impls)
               + ("  roofline%" if roofline else ""))
     print(header, flush=True)

@@ -65,17 +65,17 @@ def test_implementations_run_in_impls_order_over_every_gate_regime(tmp_path, mon
 
     stream, _ = _fake_peers(peer_rows)
     monkeypatch.setattr(sweep, "peer_stream", stream)
-    sweep.run(_args(tmp_path, "triton,fla,cudnn,xla", gates="safe,layer"), [],
+    sweep.run(_args(tmp_path, "triton,fla,cudnn,xla", gates="strong,layer"), [],
               module="bench.forward", runner=runner, mode="forward")
     # the XLA path's slow compiles come last: a run cut there keeps the peers' rows;
     # four cases: two regimes by two shapes
-    regimes = ["safe", "safe", "layer", "layer"]
+    regimes = ["strong", "strong", "layer", "layer"]
     assert calls == ([("triton", g) for g in regimes] + ["fla", "cudnn"]
                      + [("xla", g) for g in regimes])
     records = json.loads((tmp_path / "sweep.json").read_text())
     assert len(records) == 4 * 4
     assert {(r["gates"], r["implementation"]) for r in records} == {
-        (g, i) for g in ("safe", "layer")
+        (g, i) for g in ("strong", "layer")
         for i in ("kda_jax-triton", "fla", "cudnn", "kda_jax-xla")}
     tri = [r for r in records if r["implementation"] == "kda_jax-triton"]
     assert all(r["ratio_to_fla"] == 0.5 and r["ratio_to_cudnn"] == 0.5 for r in tri)
@@ -205,7 +205,7 @@ def test_rows_carry_the_run_metadata(tmp_path, monkeypatch):
 
 
 def test_bad_gate_regimes_fail_before_anything_runs(tmp_path):
-    for bad in ("strong", "mild,mild", "mild,"):
+    for bad in ("safe", "mild,mild", "mild,"):
         with pytest.raises(ValueError, match="--gates"):
             sweep.run(_args(tmp_path, gates=bad), [], module="bench.forward",
                       runner=lambda *a: pytest.fail("ran"), mode="forward")
@@ -283,7 +283,7 @@ def test_a_tree_is_timed_in_a_child_with_its_own_kda_jax(tmp_path):
     whose kda_jax fails to import gives error rows, not this process's times."""
     good, bad = _tree(tmp_path, "0123abc"), _tree(tmp_path, "broken", broken=True)
     args = argparse.Namespace(impls=f"tree:{good},tree:{bad}", varlen=None, heads=2, head_dim=16,
-                              gates="safe", shapes="1,40,1", json=str(tmp_path / "t.json"))
+                              gates="strong", shapes="1,40,1", json=str(tmp_path / "t.json"))
     times = sweep.run(args, [], module="bench.forward", mode="forward",
                       runner=lambda *a: pytest.fail("a tree is never timed in this process"))
     assert [t[f"tree:{good}"] > 0 for t in times] == [True]
@@ -292,7 +292,7 @@ def test_a_tree_is_timed_in_a_child_with_its_own_kda_jax(tmp_path):
     by_impl = {}
     for r in records:
         by_impl.setdefault(r["implementation"], []).append(r)
-    assert [(r["gates"], r["T"]) for r in by_impl[f"kda_jax-tree:{good}"]] == [("safe", 40)]
+    assert [(r["gates"], r["T"]) for r in by_impl[f"kda_jax-tree:{good}"]] == [("strong", 40)]
     assert {r["tree_commit"] for r in by_impl[f"kda_jax-tree:{good}"]} == {"0123abc"}
     assert all("the tree was taken" in r["error"] for r in by_impl[f"kda_jax-tree:{bad}"])
 
