@@ -68,6 +68,9 @@ class ForwardConfig:
       products loop over K in slices of this width) with 16-bit / float32
       inputs; float32 ones take fp32-grade products, which hold more registers.
     prepare_warps / prepare_stages: its num_warps / num_stages.
+    prepare_split: Aqk and Akk in a pass over K each (one [BT, BT]
+      accumulator live at a time: fewer registers, the k and log-decay tiles
+      read twice) instead of one pass for both.
     prepare_dot: precision of its intra-chunk products Akk and Aqk with
       16-bit inputs: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32
       products, about fp32 accuracy), "tf32" (NVIDIA only), "bf16" (operands
@@ -98,6 +101,7 @@ class ForwardConfig:
     prepare_block_k_fp32: int = 64
     prepare_warps: int = 4
     prepare_stages: int = 1
+    prepare_split: bool = False
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
     inverse_dot: str = "ieee"
@@ -119,20 +123,22 @@ class ForwardConfig:
             stages=("prepare_stages", "state_stages", "state_stages_fp32"),
             dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
+        if not isinstance(self.prepare_split, bool):
+            raise ValueError(f"prepare_split={self.prepare_split!r} must be True or False")
 
 
 # One entry per arch at chunk 64, then one per arch at chunk 32; every field
 # written out. Why each is as it is, in a sentence; the measurements behind
 # them are in docs/tuning.md ("Launch configs").
 FORWARD = {
-    # Whole-chunk [64, 32] prepare tiles at 8 warps (at 4 the dyadic products'
-    # float64 cumsum spills), their K-slice loads staged three deep; tf32
-    # Akk/Aqk and bf16 w/u stay within the bf16 tolerance
-    # (fp32-grade products cost 10-60 %), float32 inputs get fp32-grade
-    # products; three state stages, two for float32 tiles (three outgrow
-    # shared memory).
+    # Whole-chunk [64, 16] prepare tiles at 8 warps (at 4, two programs fit
+    # an SM but the in-kernel gate and L2 norm spill), their K-slice loads
+    # staged three deep (one stage: 26 % slower at 4 warps); tf32 Akk/Aqk and bf16 w/u stay within
+    # the bf16 tolerance (fp32-grade products cost 10-60 %), float32 inputs
+    # get fp32-grade products; three state stages, two for float32 tiles
+    # (three outgrow shared memory).
     "sm90": ForwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=3,
+        prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=3,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
@@ -177,11 +183,10 @@ FORWARD = {
         state_block_v_fp32=32, state_warps_fp32=4, state_stages_fp32=2),
 }
 FORWARD_C32 = {
-    # 32-wide K slices at 8 warps (4 warps or 64-wide float32 slices spill
-    # with the dyadic products' float64 cumsum); the float32 state kernel
-    # takes 4 warps (8 spill at K = 128).
+    # As at chunk 64 but one stage; the float32 state kernel takes 4 warps (8
+    # spill at K = 128).
     "sm90": ForwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
+        prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=1,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
@@ -387,7 +392,8 @@ class BackwardConfig:
 
     The recompute (the forward's prepare kernel, storing X too):
     prepare_block_k / prepare_block_k_fp32 / prepare_warps / prepare_stages /
-      prepare_dot / prepare_wu_dot / inverse_dot: as ForwardConfig's.
+      prepare_split / prepare_dot / prepare_wu_dot / inverse_dot: as
+      ForwardConfig's.
     prepare_dot_fp32: every recompute product with float32 inputs (as
       ForwardConfig.fp32_dot).
 
@@ -435,6 +441,7 @@ class BackwardConfig:
     prepare_block_k_fp32: int = 64
     prepare_warps: int = 4
     prepare_stages: int = 1
+    prepare_split: bool = False
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
     inverse_dot: str = "ieee"
@@ -472,8 +479,9 @@ class BackwardConfig:
                   "wy_dot_fp32", "product_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
-        if not isinstance(self.dstate_split_k, bool):
-            raise ValueError(f"dstate_split_k={self.dstate_split_k!r} must be True or False")
+        for name in ("dstate_split_k", "prepare_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if (not isinstance(self.gate_fp32_max_k, int) or isinstance(self.gate_fp32_max_k, bool)
                 or self.gate_fp32_max_k < 0):
             raise ValueError(f"gate_fp32_max_k={self.gate_fp32_max_k!r} must be an int >= 0 "
@@ -485,11 +493,17 @@ class BackwardConfig:
 BACKWARD = {
     # Split-bf16 products with 16-bit inputs (tf32 ones miss the gate
     # parameters' gradient bar), tf32x3 ones with float32 intermediates; the
-    # largest wy and intra blocks that compile without spills at every spec;
-    # the in-kernel gate's float32 intermediates up to K = 128 (at K = 256 the
+    # recompute at 4 warps and 16-wide slices (two programs per SM), Aqk and
+    # Akk in a pass each (in one, its split products spill); 16-wide intra K
+    # blocks at 8 warps (32-wide ones,
+    # which run each block's [BT, BT] work half as often, spill with float32
+    # intermediates); the
+    # largest wy blocks that compile without spills at every spec; the
+    # in-kernel gate's float32 intermediates up to K = 128 (at K = 256 the
     # float32 state passes spill over a KiB).
     "sm90": BackwardConfig(
-        prepare_block_k=32, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=1,
+        prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
+        prepare_split=True,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
@@ -557,7 +571,8 @@ BACKWARD = {
 }
 BACKWARD_C32 = {
     # 32-wide recompute slices at 8 warps (4 warps or 64-wide float32 slices
-    # spill with the float64 cumsum) and 16-wide inter blocks, where the
+    # spilled with the dyadic products' float64 cumsum; not re-tuned since)
+    # and 16-wide inter blocks, where the
     # chunk-64 entry spills under ptxas's register caps at chunk 32; dS in
     # one tile; the in-kernel gate's float32 intermediates up to K = 64 (the
     # float32 state passes spill 8-64 bytes at K = 100).

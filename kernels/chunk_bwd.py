@@ -44,9 +44,9 @@ dbeta comes in two parts (the wy kernel's [T, HV] and the intra kernel's
 kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
-have exponents <= 0, and the products' backward takes the forward's dyadic
-factors (common.level_factor, from a float64 cumsum of the log-decays g,
-which the caller floors at GATE_FLOOR): one path for every gate. The inter
+have exponents <= 0, and the products' backward takes the forward's
+two-level factors (common.anchored_factors, from the log-decays g, which the
+caller floors at GATE_FLOOR): one path for every gate. The inter
 kernel takes e^(G_last - G) as partial sums of g, with error relative to
 themselves, not to |G|.
 """
@@ -54,8 +54,8 @@ themselves, not to |G|.
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, decay_row, dot, g_last_row, g_tile, level_factor,
-                     next_decay_row, suffix_exponent, tile)
+from .common import (anchored_factors, anchored_mask, chunk_rows, decay_row, dot, g_last_row,
+                     g_tile, next_decay_row, suffix_exponent, tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
 
@@ -313,15 +313,14 @@ def kda_bwd_inter_kernel(
 
 
 @triton.jit
-def _products_bwd(b_q, b_k, b_p, b_b, b_dl, b_daqs, o_t, BT: tl.constexpr, DOT: tl.constexpr):
-    """Backward of the forward's dyadic intra-chunk products
-    (chunk_fwd._decay_products; docs/kda.md section 3) over one K slice: at
-    level h, the pairs (i, j) with i in the second and j in the first h rows
-    of one aligned 2h-row block, through the factors E[i] E[j] = e^(G_i - G_j)
-    (common.level_factor, both <= 1 for any gates), four masked products per
-    level. b_p: the chunk's float64 cumsum of the log-decays; b_dl = dL and
-    b_daqs = dAqk without its diagonal ([BT, BT]); b_b = beta. The diagonal
-    (e^0, dAqk's only: dL is strictly lower) is the caller's.
+def _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, o_t, DOT: tl.constexpr):
+    """Backward of the forward's two-level intra-chunk products
+    (chunk_fwd._anchored_products; docs/kda.md section 3) over one K slice:
+    per level, the row factors R and column factors C with e_ij = R_i C_j on
+    its pairs (common.anchored_factors), and four masked products. b_g: the
+    log-decays [BT, BK]; b_dl = dL and b_daqs = dAqk without its diagonal
+    ([BT, BT]); b_b = beta. The diagonal (e^0, dAqk's only: dL is strictly
+    lower) is the caller's.
 
     Returns (Qd, Dk, P) for this K slice: Qd_i = sum_j dAqk_ij k_j e_ij,
     Dk_j = sum_i (beta_i dL_ij k_i + dAqk_ij q_i) e_ij and
@@ -330,19 +329,27 @@ def _products_bwd(b_q, b_k, b_p, b_b, b_dl, b_daqs, o_t, BT: tl.constexpr, DOT: 
     b_qd = tl.zeros_like(b_k)
     b_dk = tl.zeros_like(b_k)
     b_pk = tl.zeros_like(b_k)
-    h = BT // 2
-    while h > 0:
-        b_second, b_e = level_factor(b_p, o_t, h)
-        m_l = ((o_t[:, None] // h) == (o_t[None, :] // h) + 1) & b_second
-        b_kc = tl.where(b_second, 0., b_k * b_e)
-        b_er = tl.where(b_second, b_e, 0.)
-        b_pk += b_er * dot(tl.where(m_l, b_dl, 0.), b_kc, DOT)
-        b_qd += b_er * dot(tl.where(m_l, b_daqs, 0.), b_kc, DOT)
-        b_dkc = dot(tl.trans(tl.where(m_l, b_dlb, 0.)), tl.where(b_second, b_k * b_e, 0.), DOT)
-        b_dkc += dot(tl.trans(tl.where(m_l, b_daqs, 0.)), tl.where(b_second, b_q * b_e, 0.), DOT)
-        b_dk += tl.where(b_second, 0., b_e) * b_dkc
-        h = h // 2
+    for lvl in tl.static_range(2):
+        b_r, b_c = anchored_factors(b_g, lvl)
+        e_qd, e_dk, e_pk = _anchored_level_bwd(b_q, b_k, b_r, b_c, anchored_mask(o_t, lvl), b_dl,
+                                               b_dlb, b_daqs, DOT)
+        b_qd += e_qd
+        b_dk += e_dk
+        b_pk += e_pk
     return b_qd, b_dk, b_pk
+
+
+@triton.jit
+def _anchored_level_bwd(b_q, b_k, b_r, b_c, m_l, b_dl, b_dlb, b_daqs, DOT: tl.constexpr):
+    """One level of _anchored_products_bwd: (Qd, Dk, P) over the pairs m_l."""
+    b_kc = b_k * b_c
+    b_dlm = tl.where(m_l, b_dl, 0.)
+    b_dam = tl.where(m_l, b_daqs, 0.)
+    b_pk = b_r * dot(b_dlm, b_kc, DOT)
+    b_qd = b_r * dot(b_dam, b_kc, DOT)
+    b_dkc = dot(tl.trans(tl.where(m_l, b_dlb, 0.)), b_k * b_r, DOT)
+    b_dkc += dot(tl.trans(b_dam), b_q * b_r, DOT)
+    return b_qd, b_c * b_dkc, b_pk
 
 
 @triton.jit
@@ -503,13 +510,13 @@ def kda_bwd_intra_kernel(
     p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
-    # The forward's exponents: the float64 cumsum of the (floored) log-decays.
-    b_p = tl.cumsum(tile(g, rows, m_t, i_hv, o_k, m_k, HV, K).to(tl.float64), axis=0)
+    # The forward's factors come from the (floored) log-decays
+    # (common.anchored_factors).
+    b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
     b_dd = tl.load(daqk + (r64 * HV + i_hv) * BT + o_t, mask=m_t, other=0.)
-    e_dq, e_dk, e_p = _products_bwd(
-        b_q, b_k, b_p, b_b, tl.load(dl + p_tt, mask=m_tt, other=0.),
-        tl.load(daqk + p_tt, mask=m_tt & (o_t[:, None] != o_t[None, :]), other=0.), o_t, BT,
-        DOT_A)
+    b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
+    b_daqs = tl.load(daqk + p_tt, mask=m_tt & (o_t[:, None] != o_t[None, :]), other=0.)
+    e_dq, e_dk, e_p = _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, o_t, DOT_A)
     # The partials are loaded after the products (fewer tiles live).
     b_db = tl.sum(e_p * b_k, axis=1)
     b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.) + e_dk + e_p * b_b[:, None]

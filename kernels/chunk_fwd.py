@@ -16,25 +16,26 @@ Layouts (tokens of all sequences packed along T):
   w, qg, kt [T, HV, K]; u [T, HV, V]; aqk [T, HV, BT]; gl [NC, HV, K] fp32;
   x [T, HV, BT] fp32 (the inverse, transposed: row i of a chunk holds
     column i of X; for the backward's recompute only);
-  gc [T, HV, K] fp32 (G, for the backward's recompute);
+  gc [T, HV, K] fp32 (G, for the backward's recompute; with SPLIT_PASSES
+    and the in-kernel gate also the log-decays between the two passes);
   states [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST) fp32.
 Varlen comes from one int32 metadata buffer: cu_seqlens at ``off_cu``,
 chunk_offsets at ``off_co`` and the (sequence, chunk) table at ``off_ct``,
 read through kernels.varlen, which clamps every index taken from it to the
 arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 
-The prepare kernel works on whole-chunk tiles [BT, BK]. Every decay factor
-of its intra-chunk products is e^(partial sum of log-decays) <= 1, by one
-dyadic scheme whose cost does not depend on the gate values
-(_decay_products): any g in [-inf, 0] (floored at GATE_FLOOR, kernels/gate.py)
-gives finite factors accurate relative to themselves.
+The prepare kernel works on whole-chunk tiles [BT, BK]. Its intra-chunk
+products run in two levels whose cost does not depend on the gate values
+(_anchored_products): every decay factor is at most e^60 for any g in
+[-inf, 0] (floored at GATE_FLOOR, kernels/gate.py), accurate relative to its
+pair's decay, which a clamp changes only where it passes e^-20 anyway.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, decay_row, dot, gather_rows, level_factor, next_decay_row,
-                     store_zero_rows, tile)
+from .common import (anchored_factors, anchored_mask, chunk_rows, decay_row, dot, next_decay_row,
+                     store_zero_rows, suffix_exponent, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state, store_state_row
 from .varlen import seq_chunks, seq_span
@@ -86,31 +87,29 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _decay_products(b_aqk, b_akk, b_q, b_k, b_p, o_t, BT: tl.constexpr, DOT: tl.constexpr):
-    """(b_aqk + q_i . k_j e^(G_i - G_j) for j <= i, b_akk + k_i . k_j
-    e^(G_i - G_j) for j < i) [BT, BT], for one K slice (b_q, b_k [BT, BK];
-    b_p [BT, BK] float64 the chunk's cumsum of the log-decays).
+def _anchored_products(b_aqk, b_akk, b_q, b_k, b_g, o_t, DOT: tl.constexpr,
+                       AQK: tl.constexpr, AKK: tl.constexpr):
+    """(b_aqk + q_i . k_j e^(G_i - G_j), b_akk + k_i . k_j e^(G_i - G_j)) for
+    every j < i, [BT, BT], for one K slice (b_q, b_k [BT, BK]; b_g the
+    log-decays [BT, BK] fp32, 0 on rows past the sequence), each only where
+    its flag (AQK, AKK) is set; Aqk's diagonal is the caller's (exact,
+    q_i . k_i).
 
-    Dyadic (docs/kda.md section 3): level h (BT / 2, ..., 2, 1) takes the
-    pairs with i in the second and j in the first h rows of one aligned
-    2h-row block, through factors e^(G_i - G_j) = E[i] E[j] that are both <= 1
-    whatever the gates (common.level_factor): nothing overflows, and a factor
-    underflows only where the product is below float32's range too. One
-    exponential tile per level serves both sides and both products (they
-    share the column operand k E), and one masked matrix product per level
-    and product gives its pairs; every pair i > j belongs to exactly one
-    level, and the cost does not depend on the gate values. The levels are a
-    loop, not unrolled: one level's tiles are live at a time."""
-    h = BT // 2
-    while h > 0:
-        b_second, b_e = level_factor(b_p, o_t, h)
-        b_ke = b_k * b_e
-        b_y = tl.trans(tl.where(b_second, 0., b_ke))
-        m_blk = (o_t[:, None] // (2 * h)) == (o_t[None, :] // (2 * h))
-        b_aqk += tl.where(m_blk, dot(tl.where(b_second, b_q * b_e, 0.), b_y, DOT), 0.)
-        b_akk += tl.where(m_blk, dot(tl.where(b_second, b_ke, 0.), b_y, DOT), 0.)
-        h = h // 2
-    b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.)
+    Two levels (docs/kda.md section 3; common.anchored_factors): the pairs
+    in different BR-row blocks, then the pairs within one block, each as one
+    masked product per matrix through factors R_i C_j = e^(G_i - G_j) that
+    are at most e^60 whatever the gates; the column operand is shared by
+    Aqk and Akk. Where the clamp on log-decay sums acts, the pair's decay
+    passes e^-20 in truth and in the product. The cost does not depend on
+    the gate values."""
+    for lvl in tl.static_range(2):
+        b_r, b_c = anchored_factors(b_g, lvl)
+        m_l = anchored_mask(o_t, lvl)
+        b_y = tl.trans(b_k * b_c)
+        if AQK:
+            b_aqk += tl.where(m_l, dot(b_q * b_r, b_y, DOT), 0.)
+        if AKK:
+            b_akk += tl.where(m_l, dot(b_k * b_r, b_y, DOT), 0.)
     return b_aqk, b_akk
 
 
@@ -174,11 +173,15 @@ def kda_fwd_prepare_kernel(
     HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
     DOT_A: tl.constexpr, DOT_WU: tl.constexpr, DOT_INV: tl.constexpr, STORE_X: tl.constexpr,
+    SPLIT_PASSES: tl.constexpr,
 ):
     """One program per (chunk, value head). With STORE_X (the backward's
     recompute) it also writes X^T, X = (I + L)^-1 (fp32, [T, HV, BT]), and G,
     the chunk-local cumsum of the log-decay (fp32, gc [T, HV, K]), which the
-    backward's kernels read; x and gc are unused otherwise.
+    backward's kernels read; x is unused otherwise. SPLIT_PASSES: Aqk and Akk
+    take a pass over K each (one [BT, BT] accumulator live at a time; fewer
+    registers, the k and log-decay tiles read twice); gc then also carries
+    the in-kernel gate's log-decays from the first pass to the second.
 
     Non-finite inputs: every load replaces the entries that would poison the
     recurrence by 0 (kernels/gate.py), and records the rows that held one.
@@ -212,17 +215,20 @@ def kda_fwd_prepare_kernel(
     if USE_GATE and (HAS_A_LOG or not HAS_LOWER_BOUND):
         b_alog = tl.load(A_log + i_hv).to(tl.float32)
 
-    # Pass 1 over K slices: the log-decays, exp(G_last), Aqk and Akk, and the
-    # rows q*exp(G)*scale, k*exp(G_last - G) and beta*k*exp(G) (into w's rows:
-    # pass 3 reads them back). G is the log-decays' cumsum, taken in float64
-    # so that every exponent that is a difference of G is exact before its
-    # one rounding to float32 (common.level_factor), however deep the chunk's
-    # decay. Non-finite entries of k are zeroed like the others (_tile_checked):
-    # the rows from the first poisoning row on are NaN'ed at the end.
+    # Pass 1 over K slices: the log-decays, exp(G_last), Aqk and Akk (with
+    # SPLIT_PASSES, Aqk alone), and the rows q*exp(G)*scale, k*exp(G_last - G)
+    # and beta*k*exp(G) (into w's rows: pass 3 reads them back). G and
+    # G_last - G are sums of log-decays (common.suffix_exponent: of the rows
+    # after i); the products' exponents are sums within a block or of clamped
+    # block sums (common.anchored_factors), not differences of G: their
+    # rounding is relative to themselves, however deep the chunk's decay.
+    # Non-finite entries of k are zeroed like the others (_tile_checked): the
+    # rows from the first poisoning row on are NaN'ed at the end.
     p_hk = i_hv * K
     p_gl = gl + (i_c.to(tl.int64) * HV + i_hv) * K
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_diag = tl.zeros([BT], dtype=tl.float32)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
@@ -232,27 +238,55 @@ def kda_fwd_prepare_kernel(
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
         b_poison = b_poison | b_bad
-        # G in float64 (rows past the sequence repeat the last: g = 0 there)
-        b_p = tl.cumsum(b_g.to(tl.float64), axis=0)
-        b_G = b_p.to(tl.float32)
-        b_sfx = (gather_rows(b_p, o_t * 0 + BT - 1) - b_p).to(tl.float32)  # G_last - G
-        if STORE_X:
+        # G (rows past the sequence repeat the last: g = 0 there).
+        b_G = tl.cumsum(b_g, axis=0)
+        if STORE_X and not SPLIT_PASSES:
             tl.store(gc + p_tk, b_G, mask=m_tk)
-        tl.store(p_gl + o_k, tl.exp(tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), axis=0)),
-                 mask=m_k)
+        if SPLIT_PASSES and USE_GATE:
+            tl.store(gc + p_tk, b_g, mask=m_tk)  # for pass 2
+        tl.store(p_gl + o_k, tl.exp(tl.sum(b_g, axis=0)), mask=m_k)
         b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
         b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
         b_poison = b_poison | b_bad
         b_k = b_k * b_sk[:, None]
-        b_aqk, b_akk = _decay_products(b_aqk, b_akk, b_q, b_k, b_p, o_t, BT, DOT_A)
+        b_aqk, b_akk = _anchored_products(b_aqk, b_akk, b_q, b_k, b_g, o_t, DOT_A, True,
+                                          not SPLIT_PASSES)
+        b_diag += tl.sum(b_q * b_k, axis=1)
         b_eG = tl.exp(b_G)
         tl.store(qg + p_tk, (b_q * b_eG * SCALE).to(qg.dtype.element_ty), mask=m_tk)
-        tl.store(kt + p_tk, (b_k * tl.exp(b_sfx)).to(kt.dtype.element_ty), mask=m_tk)
+        tl.store(kt + p_tk, (b_k * tl.exp(suffix_exponent(b_g))).to(kt.dtype.element_ty),
+                 mask=m_tk)
         tl.store(w + p_tk, (b_k * b_b[:, None] * b_eG).to(w.dtype.element_ty), mask=m_tk)
-    # Aqk, scaled, zero above the diagonal.
+    # Aqk, scaled, its diagonal exact (q_i . k_i), zero above it.
+    b_aqk += tl.where(o_t[:, None] == o_t[None, :], b_diag[:, None], 0.)
     b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk * SCALE, 0.)
     tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
              b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
+
+    if SPLIT_PASSES:
+        # Pass 2: Akk, over the K slices again, so that one [BT, BT]
+        # accumulator is live at a time; the log-decays come from gc (the
+        # in-kernel gate's, stored by pass 1; the barrier makes every
+        # thread's stores visible to the whole program) or from g again.
+        # With STORE_X (transformed inputs: no in-kernel gate) G goes to gc.
+        tl.debug_barrier()
+        for ks in range(0, K, BK):
+            o_k = ks + tl.arange(0, BK)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
+            if USE_GATE:
+                b_g = tl.load(gc + p_tk, mask=m_tk, other=0.)
+            else:
+                b_g, _ = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
+                                         USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
+                                         LOWER_BOUND)
+            b_k, _ = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
+            b_k = b_k * b_sk[:, None]
+            b_aqk, b_akk = _anchored_products(b_aqk, b_akk, b_k, b_k, b_g, o_t, DOT_A, False,
+                                              True)
+            if STORE_X:
+                tl.store(gc + p_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
 
     # X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
     b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
@@ -263,7 +297,7 @@ def kda_fwd_prepare_kernel(
     if DOT_WU == 3:
         b_x = b_x.to(tl.bfloat16).to(tl.float32)  # rounded once, not per product
 
-    # Pass 2: w = X (beta * k * exp(G)), from the rows pass 1 stored (the
+    # Pass 3: w = X (beta * k * exp(G)), from the rows pass 1 stored (the
     # barrier makes every thread's stores visible to the whole program).
     tl.debug_barrier()
     for ks in range(0, K, BK):
@@ -274,7 +308,7 @@ def kda_fwd_prepare_kernel(
         tl.debug_barrier()  # every read of the slice before any write over it
         tl.store(w + p_tk, dot(b_x, b_kb, DOT_WU).to(w.dtype.element_ty), mask=m_tk)
 
-    # Pass 3: u = X (beta * v).
+    # Pass 4: u = X (beta * v).
     for vs in range(0, V, BV):
         o_v = vs + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]

@@ -1,7 +1,7 @@
 """Pieces shared by the chunked kernels (chunk_fwd, chunk_bwd) and the decode
 kernel: the product-precision helper, tile loads, a chunk's rows, the
-chunk-local decay G read back from its buffer, and the decay factors of the
-dyadic intra-chunk products (docs/kda.md section 3). The log-decay numerics
+chunk-local decay G read back from its buffer, and the decay factors and
+masks of the two-level intra-chunk products (docs/kda.md section 3). The log-decay numerics
 (in-kernel gate, floor, non-finite checks) are kernels/gate.py.
 
 Names follow the kernels': b_ register tiles, o_ offsets, m_ masks, p_
@@ -43,28 +43,81 @@ def tile(x, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
     return tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float32)
 
 
-@triton.jit
-def gather_rows(b_x, rows):
-    """b_x [BT, N] at row rows[i] for each row i (rows [BT], within [0, BT))."""
-    return tl.gather(b_x, tl.broadcast_to(rows[:, None], b_x.shape), 0)
+# The two-level products' clamp on log-decay sums (docs/kda.md section 3). An
+# anchor's offset sums at most three clamped terms, so a factor's exponent
+# has an offset of at most 3 * ANCHOR_CLAMP = 60 either way: no factor
+# overflows, and one that underflows float32 (below e^-87) belongs to a pair
+# whose decay passes e^-27 in truth. A pair whose decay the clamp shortens
+# decays past e^-20 (2e-9) in truth and in the result alike. (At 26, factors
+# of pairs decaying only e^-9 underflowed: errors of 1e-3 in dg.)
+ANCHOR_CLAMP = tl.constexpr(20.0)
+# Rows per block of the two-level products: pairs in different blocks are the
+# first level, pairs within one block the second.
+BR = tl.constexpr(8)
 
 
 @triton.jit
-def level_factor(b_p, o_t, h):
-    """The decay factors of level h of the dyadic intra-chunk products
-    (docs/kda.md section 3): (second [BT, 1] int1, E [BT, BK] fp32). Level h
-    pairs row i of the second h rows of an aligned 2h-row block with row j of
-    its first h rows, e^(G_i - G_j) = E[i] E[j]: E[i] = e^(g summed from the
-    start of i's h-row segment to i) on the second halves (second[i]), E[j] =
-    e^(g summed after j to the end of its segment) on the first halves. Both
-    are <= 1 for any gates. b_p [BT, BK] float64 is the chunk's cumsum of the
-    log-decays (rows past the sequence repeat the last): the exponents are
-    differences there, exact before their one rounding to float32."""
-    b_second = ((o_t // h) % 2 == 1)[:, None]
-    s = (o_t // h) * h
-    b_before = tl.where((s > 0)[:, None], gather_rows(b_p, tl.maximum(s - 1, 0)), 0.)
-    b_exp = tl.where(b_second, b_p - b_before, gather_rows(b_p, s + h - 1) - b_p)
-    return b_second, tl.exp(b_exp.to(tl.float32))
+def anchored_factors(b_g, LEVEL: tl.constexpr):
+    """The factors of one level of the two-level intra-chunk products from the
+    log-decays b_g [BT, BK] fp32 (docs/kda.md section 3): (R, C) [BT, BK]
+    with e^(G_i - G_j) = R_i C_j, exactly but where the clamp below acts,
+    for the pairs of LEVEL 0 (i and j in different BR-row blocks, i's block
+    after j's) or LEVEL 1 (i > j in one block).
+
+    Level 0 anchors on the chunk's middle block boundary a: R_i = e^(G_i -
+    a), C_j = e^(a - G_j), written as a sum within i's block (<= 0) plus the
+    block sums between it and a, and likewise for j; level 1 anchors each
+    block on its row BR / 2 - 1. The sums on the far side of an anchor (block
+    sums for level 0, single log-decays for level 1) are clamped at
+    -ANCHOR_CLAMP before they enter an offset, so a factor is at most
+    e^(3 ANCHOR_CLAMP): where a clamp acts, the pair's decay passes
+    e^-ANCHOR_CLAMP both in truth and in the product (an error below
+    2e-9 |q_i| |k_j|, and below e^-20 times the pair's decay over the
+    tokens no clamp touches: at level 1 row i's own log-decay, which every
+    pair of row i spans, is never clamped). Every exponent is a sum of log-decays within a block
+    or of clamped block sums: its rounding is relative to those, not to the
+    chunk's G. Factors a level never uses (block 0's rows and the last
+    block's columns at level 0, each block's last row as a column at level
+    1) are e^0."""
+    BT: tl.constexpr = b_g.shape[0]
+    BK: tl.constexpr = b_g.shape[1]
+    NB: tl.constexpr = BT // BR
+    b_g3 = tl.reshape(b_g, [NB, BR, BK])
+    if LEVEL == 0:
+        # Block sums, clamped; the anchor a = the first NB / 2 of them.
+        o_b = tl.arange(0, NB)[:, None]
+        b_l3 = tl.cumsum(b_g3, axis=1)
+        b_t = tl.sum(b_g3, axis=1)
+        b_tc = tl.maximum(b_t, -ANCHOR_CLAMP)
+        b_s = tl.cumsum(b_tc, axis=0) - b_tc  # clamped G at each block's start
+        b_a = tl.sum(tl.where(o_b < NB // 2, b_tc, 0.), axis=0)[None, :]
+        b_ro = tl.where(o_b == 0, 0., b_s - b_a)
+        b_co = tl.where(o_b == NB - 1, 0., b_a - b_s - b_tc)
+        b_r = tl.reshape(b_l3 + b_ro[:, None, :], [BT, BK])
+        b_c = tl.reshape(b_t[:, None, :] - b_l3 + b_co[:, None, :], [BT, BK])
+    else:
+        # Clamped log-decays within each block, anchored on its row BR / 2 - 1;
+        # a row's own log-decay, which every pair of that row spans, enters
+        # its factor unclamped (that can only lower it).
+        o_r = tl.arange(0, BR)[None, :, None]
+        b_gc3 = tl.maximum(b_g3, -ANCHOR_CLAMP)
+        b_lc3 = tl.cumsum(b_gc3, axis=1)
+        b_h = tl.sum(tl.where(o_r < BR // 2, b_gc3, 0.), axis=1)[:, None, :]
+        b_r = tl.reshape(b_lc3 - b_h + (b_g3 - b_gc3), [BT, BK])
+        b_c = tl.reshape(tl.where(o_r == BR - 1, 0., b_h - b_lc3), [BT, BK])
+    return tl.exp(b_r), tl.exp(b_c)
+
+
+@triton.jit
+def anchored_mask(o_t, LEVEL: tl.constexpr):
+    """[BT, BT]: the pairs of anchored_factors' LEVEL: 0, i's BR-row block
+    after j's; 1, one block and i > j."""
+    b_bi = (o_t // BR)[:, None]
+    b_bj = (o_t // BR)[None, :]
+    if LEVEL == 0:
+        return b_bi > b_bj
+    else:
+        return (b_bi == b_bj) & (o_t[:, None] > o_t[None, :])
 
 
 @triton.jit

@@ -77,6 +77,7 @@ def test_unknown_arch_is_named():
     (dict(state_warps_fp32=3), "state_warps_fp32=3 must be one of"),
     (dict(state_block_v_fp32=None), "state_block_v_fp32=None must be a power of two"),
     (dict(prepare_block_k_fp32=48), "prepare_block_k_fp32=48 must be a power of two"),
+    (dict(prepare_split=1), "prepare_split=1 must be True or False"),
 ])
 def test_forward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -91,6 +92,7 @@ def test_forward_config_refuses_bad_values(kwargs, message):
     (dict(inter_block_v_fp32=8), "inter_block_v_fp32=8 must be a power of two"),
     (dict(state_stages_fp32=0), "state_stages_fp32=0 must be one of"),
     (dict(dstate_split_k=1), "dstate_split_k=1 must be True or False"),
+    (dict(prepare_split="yes"), "prepare_split='yes' must be True or False"),
 ])
 def test_backward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -100,7 +100,15 @@ GRADS = {"xla": ["every7_-1e6", "every7_-inf", "one-1e30", "gate-Alog100", "gate
 
 # gate-dtbias: every channel decays by e^-22 or more per token, or not at all;
 # dg is ~1e-17 and dA_log ~1e-16, met at the bar only if no O(1) term that
-# cancels in exact arithmetic reaches dG (docs/kda.md section 6).
+# cancels in exact arithmetic reaches dG (docs/kda.md section 6). The XLA path
+# meets them relatively. The Triton path's two-level products give a pair's
+# decay to within e^-20 of its decay over the tokens no clamp touches
+# (docs/kda.md section 3), so gradients made of such decays (here e^-38 per
+# token) are held to an absolute bar: ABS_OF_SCALE of the call's largest
+# gradient (about 10 here; measured errors 1.5e-16).
+ABS_OF_SCALE = {("triton", "gate-dtbias"): 1e-12}
+
+
 @pytest.mark.parametrize("impl,name", [(i, n) for i in ("xla", "triton") for n in GRADS[i]])
 def test_gradients_finite_and_match_reference(impl, name, check_rel_rms):
     if impl == "triton" and unavailable_reason() is not None:
@@ -111,10 +119,16 @@ def test_gradients_finite_and_match_reference(impl, name, check_rel_rms):
     w_s = rng.standard_normal((1, 1, SHAPE["K"], SHAPE["V"])).astype(np.float32)
     ref = _grads(kda_jax.naive_recurrent_kda, x, kw, w_o, w_s)
     got = _grads(kda_jax.chunk_kda, x, kw, w_o, w_s, implementation=impl)
+    scale = max(float(np.abs(np.asarray(r)).max()) for r in ref.values())
     for n, r in ref.items():
         assert np.isfinite(np.asarray(got[n])).all(), f"d{n} is not finite"
-        if np.abs(np.asarray(r)).max() == 0.0:  # e.g. dg below the floor, dh0 fully decayed
-            np.testing.assert_array_equal(np.asarray(got[n]), 0.0, err_msg=f"d{n}")
+        r, a = np.asarray(r), np.asarray(got[n])
+        if np.abs(r).max() == 0.0:  # e.g. dg below the floor, dh0 fully decayed
+            np.testing.assert_array_equal(a, 0.0, err_msg=f"d{n}")
+        elif np.abs(r).max() < 1e-6 * scale and (impl, name) in ABS_OF_SCALE:
+            err = float(np.abs(a - r).max())
+            assert err <= ABS_OF_SCALE[impl, name] * scale, f"d{n}: |error| {err:.2e} > " \
+                f"{ABS_OF_SCALE[impl, name]:.0e} of the largest gradient {scale:.2e}"
         else:
             check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
 

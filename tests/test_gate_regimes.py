@@ -1,9 +1,11 @@
-"""The gates models have (docs/kda.md sections 3 and 6): one dyadic product
-path for every gate in the forward and the backward, against the float32 reference in float32 and bf16. Gates: a Kimi/KDA layer's
-in-kernel gate -exp(A_log) * softplus(x) with exp(A_log) in [1, 16] and
-x ~ N(0, 1); plain log-decays in [-12, -3] per token; the safe gate
-(lower_bound -5, PEERS.md's "safe" regime) precomputed and in the kernel with
-the L2 norm and beta sigmoid ("layer"), on varlen bounds.
+"""The gates models have (docs/kda.md sections 3 and 6): one two-level
+product path for every gate in the forward and the backward, against the
+float32 reference in float32 and bf16. Gates: a Kimi/KDA layer's in-kernel
+gate -exp(A_log) * softplus(x) with exp(A_log) in [1, 16] and x ~ N(0, 1);
+plain log-decays in [-12, -3] per token; the benchmarks' regimes
+(bench.inputs, docs/kda.md section 6): init, its gate in the kernel with the
+L2 norm and beta sigmoid (layer), mild and strong; floored gates; on varlen
+bounds.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 import kda_jax
 from kda_jax.kernels import chunk_bwd, chunk_fwd
+from bench.inputs import init_dt_bias, safe_gate
 from kda_jax.testing import make_inputs
 from kda_jax.triton import interpret_mode, unavailable_reason
 
@@ -113,10 +116,13 @@ def _spy(monkeypatch, module, name, calls):
 
 def _regime_inputs(regime, shape, dtype=jnp.bfloat16, **extra):
     """(params, chunk_kda keyword arguments) for a gate regime: "mild" (fla's
-    benchmark gates), "safe" (the lower_bound -5 gate, precomputed),
-    "layer" (that gate in the kernel, with the L2 norm and beta sigmoid),
-    "softplus" (Kimi Linear's gate in the kernel, exp(A_log) up to 16) and
-    "floor" (log-decays of -1000: floored, exactly zero decay)."""
+    benchmark gates), "init" (a layer's safe gate at initialisation,
+    -5 sigmoid(x + dt_bias), dt_bias = softplus^-1 of logU(1e-3, 1e-1),
+    precomputed), "layer" (that gate in the kernel, with the L2 norm and beta
+    sigmoid), "strong" (-5 sigmoid(exp(A_log) (x + dt_bias)), exp(A_log) up
+    to 16, dt_bias ~ U(-0.5, 0.5), precomputed), "softplus" (Kimi Linear's
+    gate in the kernel, exp(A_log) up to 16) and "floor" (log-decays of
+    -1000: floored, exactly zero decay)."""
     rng = np.random.default_rng(5)
     raw = regime in ("layer", "softplus")
     x = make_inputs(13, dtype=dtype, raw_gate=raw, normalized_k=not raw,
@@ -124,36 +130,44 @@ def _regime_inputs(regime, shape, dtype=jnp.bfloat16, **extra):
     hv, kd = x.g.shape[2], x.g.shape[3]
     a_log = np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32)
     dt_bias = rng.uniform(-0.5, 0.5, (hv, kd)).astype(np.float32)
+    init_bias = init_dt_bias(rng, hv, kd)
     if regime == "mild":
         x.g = (np.log(1 / (1 + np.exp(-rng.standard_normal(x.g.shape)))) / 16).astype(np.float32)
-    elif regime == "safe":
+    elif regime == "strong":
         z = np.exp(a_log)[:, None] * (rng.standard_normal(x.g.shape) + dt_bias)
         x.g = (-5.0 / (1 + np.exp(-z))).astype(np.float32)
+    elif regime == "init":
+        x.g = safe_gate(rng.standard_normal(x.g.shape).astype(np.float32),
+                        np.zeros(hv, np.float32), init_bias)
     elif regime == "floor":
         x.g = np.full(x.g.shape, -1000.0, np.float32)
     kw = {}
     if raw:
-        x.A_log[:] = a_log
-        x.dt_bias[:] = dt_bias.reshape(x.dt_bias.shape)
+        x.A_log[:] = a_log if regime == "softplus" else 0.0
+        x.dt_bias[:] = (dt_bias if regime == "softplus" else init_bias).reshape(x.dt_bias.shape)
         kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
         if regime == "layer":
             kw.update(lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
     return _params(x, kw), kw
 
 
+REGIMES = ["init", "softplus", "layer", "mild", "strong", "floor"]
+
+
 @pytest.mark.skipif(not interpret_mode(), reason="observes the kernels in the interpreter")
 def test_products_do_not_depend_on_the_gates(monkeypatch):
     """The forward's prepare kernel and the backward's intra kernel run the
-    same products for every gate regime (one dyadic path): per chunk and
-    head, one _decay_products call per K slice in the backward's recompute
-    (the gradient alone is asked for, so the forward's own launch is dead
-    code) and one _products_bwd call per K block."""
+    same products for every gate regime (one two-level path): per chunk and
+    head, one _anchored_products call per K slice in the backward's
+    recompute (Aqk and Akk together; the gradient alone is asked for, so the
+    forward's own launch is dead code) and one _anchored_products_bwd call
+    per K block."""
     calls = {}
-    _spy(monkeypatch, chunk_fwd, "_decay_products", calls)
-    _spy(monkeypatch, chunk_bwd, "_products_bwd", calls)
+    _spy(monkeypatch, chunk_fwd, "_anchored_products", calls)
+    _spy(monkeypatch, chunk_bwd, "_anchored_products_bwd", calls)
     shape = dict(SHAPE, T=128)  # two full chunks per head, K = 32: one K slice
     counts = {}
-    for regime in ("mild", "safe", "layer", "softplus", "floor"):
+    for regime in REGIMES:
         calls.clear()
         params, kw = _regime_inputs(regime, shape)
         jax.jit(jax.grad(lambda p: jnp.sum(
@@ -161,7 +175,7 @@ def test_products_do_not_depend_on_the_gates(monkeypatch):
         )(params)
         counts[regime] = dict(calls)
     programs = 2 * shape["H"]  # chunks x heads
-    expected = {"_decay_products": programs, "_products_bwd": programs}
+    expected = {"_anchored_products": programs, "_anchored_products_bwd": programs}
     assert all(c == expected for c in counts.values()), counts
 
 
@@ -169,7 +183,7 @@ def test_products_do_not_depend_on_the_gates(monkeypatch):
 _VARLEN = ([0, 1, 700, 37, 2000, 1358] if not interpret_mode() else [0, 1, 70, 37, 90])
 
 
-@pytest.mark.parametrize("regime", ["mild", "safe", "layer", "softplus", "floor"])
+@pytest.mark.parametrize("regime", REGIMES)
 def test_regimes_varlen_match_reference(regime, check_close):
     """bf16 inputs at every gate regime, varlen bounds (empty and one-token
     sequences, partial chunks), initial states: o and the final states within
@@ -189,7 +203,7 @@ def test_regimes_varlen_match_reference(regime, check_close):
 
 
 @pytest.mark.parametrize("chunk", [32, 64])
-@pytest.mark.parametrize("regime", ["safe", "layer"])
+@pytest.mark.parametrize("regime", ["strong", "layer"])
 def test_regimes_awkward_shapes(regime, chunk, check_close):
     """float32 inputs at the model gates with two value heads per q/k head,
     K = 60 and V = 40 (masked K slices and V blocks), V-first states and
@@ -208,7 +222,7 @@ def test_regimes_awkward_shapes(regime, chunk, check_close):
     check_close(s, rs, "float32", "final_state")
 
 
-@pytest.mark.parametrize("regime", ["mild", "safe", "layer", "softplus", "floor"])
+@pytest.mark.parametrize("regime", REGIMES)
 def test_regimes_gradients_match_reference(regime, check_rel_rms):
     """Every gradient at every gate regime (bf16 inputs, two chunks, a partial
     K slice in the backward's intra kernel at K = 80 on a GPU) against
@@ -219,6 +233,31 @@ def test_regimes_gradients_match_reference(regime, check_rel_rms):
     got, ref = _grads_and_reference(params, kw, shape, seed=4)
     for n, r in ref.items():
         check_rel_rms(got[n], r, GRAD_TOL_BF16[n], f"d{n} ({regime})")
+
+
+@pytest.mark.parametrize("kind", ["gate", "plain"])
+def test_split_passes_match_reference(kind, check_close, check_rel_rms):
+    """The prepare kernel with Aqk and Akk in a pass each (prepare_split, the
+    sm90 backward's recompute), in the forward (the in-kernel gate's
+    log-decays carried between the passes in gc) and the backward: o, the
+    final state and every gradient against the float32 reference, float32
+    inputs, steep gates (two chunks, a partial K slice on a GPU)."""
+    import dataclasses
+
+    from kda_jax import configs
+
+    x, kw = _case(kind, jnp.dtype("float32"), GRAD_SHAPE)
+    params = _params(x, kw)
+    fwd = dataclasses.replace(configs.forward_config(), prepare_split=True)
+    bwd = dataclasses.replace(configs.backward_config(), prepare_split=True)
+    with configs.override(fwd), configs.override_backward(bwd):
+        o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton")
+        got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1)
+    ro, rs = _call(kda_jax.naive_recurrent_kda, params, kw)
+    check_close(o, ro, "float32", "o")
+    check_close(s, rs, "float32", "final_state")
+    for n, r in ref.items():
+        check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
 
 
 @pytest.mark.parametrize("field", ["k", "q"])
