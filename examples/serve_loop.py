@@ -63,16 +63,23 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     gpu = jax.default_backend() != "cpu"
-    a.heads = a.heads or (32 if gpu else 2)
-    a.head_dim = a.head_dim or (128 if gpu else 32)
-    a.max_seqs = a.max_seqs or (16 if gpu else 6)
-    a.max_prompt = a.max_prompt or (1300 if gpu else 80)
-    a.dtype = a.dtype or ("bfloat16" if gpu else "float32")
-    a.checkpoint_every = a.checkpoint_every or (64 if gpu else 32)
+    # Defaults only where the option was left out: an explicit 0 is an error below.
+    defaults = dict(heads=(32, 2), head_dim=(128, 32), max_seqs=(16, 6), max_prompt=(1300, 80),
+                    dtype=("bfloat16", "float32"), checkpoint_every=(64, 32))
+    for name, (on_gpu, on_cpu) in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, on_gpu if gpu else on_cpu)
     a.implementation = None if a.implementation == "none" else a.implementation
-    if min(a.steps, a.heads, a.head_dim, a.max_seqs, a.max_prompt, a.drafts + 1) < 1:
-        p.error("--steps, --heads, --head-dim, --max-seqs, --max-prompt must be >= 1 and "
-                "--drafts >= 0")
+    for name in ("steps", "heads", "head_dim", "max_seqs", "max_prompt"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
+    if a.drafts < 0:
+        p.error(f"--drafts={a.drafts} must be >= 0")
+    if not 0 <= a.check <= a.steps:
+        p.error(f"--check={a.check} must lie in [0, --steps={a.steps}]: it checks the first N "
+                "steps")
+    if a.seed < 0:
+        p.error(f"--seed={a.seed} must be >= 0 (a NumPy seed)")
     return a
 
 

@@ -71,12 +71,19 @@ def start_rows(rows, num_accepted_tokens) -> jax.Array:
     """int32 ``[N]``: the row each verifying sequence starts from,
     ``rows[n, num_accepted_tokens[n] - 1]`` (``rows`` ``[N, W]``, the rows of
     the states after each token of the previous step), and -1 (zeros) where
-    the count is outside [1, W]. Device data: a gather, nothing read back."""
+    the count is outside [1, W]. Device data: a gather, nothing read back.
+
+    The range test runs in the counts' own dtype, before any cast (NumPy
+    counts on the host, so that int64 ones never meet JAX's int32 default),
+    as :func:`narrow_indices` does: a wide count such as 2**32 + 2 reads no
+    row instead of wrapping onto column 1."""
     w = rows.shape[1]
-    acc = jnp.asarray(num_accepted_tokens).astype(jnp.int32)
-    col = jnp.clip(acc - 1, 0, w - 1)
-    start = jnp.take_along_axis(jnp.asarray(rows), col[:, None], axis=1)[:, 0]
-    return jnp.where((acc >= 1) & (acc <= w), start, -1).astype(jnp.int32)
+    xp = np if isinstance(num_accepted_tokens, np.ndarray) else jnp
+    acc = xp.asarray(num_accepted_tokens)
+    inside = (acc >= 1) & (acc <= w)
+    col = xp.where(inside, acc - 1, 0).astype(xp.int32)
+    start = jnp.take_along_axis(jnp.asarray(rows), jnp.asarray(col)[:, None], axis=1)[:, 0]
+    return jnp.where(jnp.asarray(inside), start, -1).astype(jnp.int32)
 
 
 def read_index(pool: StatePool) -> jax.Array:

@@ -390,8 +390,12 @@ def test_16_bit_state_cache_prefill_then_decode(form, implementation, state_dtyp
 
 
 def test_init_cache_rejects_a_non_float_state_dtype():
-    with pytest.raises(TypeError, match="state_dtype=int32 must be float32, bfloat16 or float16"):
+    with pytest.raises(TypeError, match="state_dtype=<class 'jax.numpy.int32'> must be float32, "
+                                        "bfloat16 or float16"):
         make_layer().init_cache(2, state_dtype=jnp.int32)
+    # None names itself (NumPy would read it as float64).
+    with pytest.raises(TypeError, match="state_dtype=None must be float32"):
+        make_layer().init_cache(2, state_dtype=None)
 
 
 # --------------------------------------------------------------------------- #
@@ -553,3 +557,19 @@ def test_verify_errors():
     with pytest.raises(ValueError, match=r"num_accepted_tokens\[1\]=4 is outside \[1, 3\]"):
         layer.verify(x, cache=pool.at(np.arange(6, dtype=np.int32).reshape(2, 3)),
                      num_accepted_tokens=np.array([1, 4], np.int32))
+    # Counts of the wrong length: named before the conv rows use them.
+    with pytest.raises(ValueError, match=r"num_accepted_tokens must have shape \(2,\)"):
+        layer.verify(x, cache=pool.at(np.arange(6, dtype=np.int32).reshape(2, 3)),
+                     num_accepted_tokens=np.array([1, 2, 3], np.int32))
+
+
+def test_verify_without_sequences_returns_empty_results():
+    """N = 0, as __call__ with B = 0: y [0, 1 + S, hidden] in the layer's
+    dtype, the pool unchanged."""
+    layer = make_layer()
+    pool = random_cache(3, seed=8)
+    x = jnp.zeros((0, 3, HIDDEN), jnp.float32)
+    y, new = layer.verify(x, cache=pool.at(jnp.zeros((0, 3), jnp.int32)),
+                          num_accepted_tokens=jnp.zeros((0,), jnp.int32))
+    assert y.shape == (0, 3, HIDDEN) and y.dtype == call(layer, x).dtype
+    _assert_same_cache(new, pool, "N = 0, verify")

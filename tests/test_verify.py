@@ -268,3 +268,25 @@ def test_verify_device_count_outside_the_columns_reads_zeros(impl, check_close):
         for t in range(w):
             if rows[i, t] >= 0:
                 check_close(np.asarray(new)[rows[i, t]], r_after[(i, t)], "float32", "state")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_verify_wide_counts_read_no_row(impl):
+    """Counts wider than int32 never wrap onto a column: NumPy int64 counts
+    with a VarlenBatch on the device (no host check: the bucketed form), where
+    2**32 + 3 would be 3 after a cast, read no row, as a count of 0 does."""
+    lens, w = [3, 3], 3
+    x, cu = _inputs(31, lens)
+    rows, pool = _rows(32, 2, w), _pool(33)
+    batch = jax.device_put(VarlenBatch.build(cu, Bucket(max_seqs=2, max_tokens=8)))
+    args = [np.concatenate([a, np.zeros((1, 8 - a.shape[1]) + a.shape[2:], a.dtype)], axis=1)
+            for a in x.args()]
+
+    def run(acc):
+        return kda_jax.fused_recurrent_kda(*args, cu_seqlens=batch, state_cache=pool,
+                                           state_indices=rows, num_accepted_tokens=acc,
+                                           implementation=impl)[0]
+
+    wide = run(np.array([2**32 + 3, 1], np.int64))
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(run(np.array([0, 1], np.int32))))
+    assert not np.array_equal(np.asarray(wide), np.asarray(run(np.array([3, 1], np.int32))))

@@ -29,6 +29,7 @@ import kda_jax
 from kda_jax.batch import VarlenBatch
 from kda_jax.bounds import SeqBounds, as_seq_bounds
 from kda_jax import pool as state_pool
+from kda_jax.checks import _int_vector
 from kda_jax.nn.cache import KDACache, conv_pool
 from kda_jax.nn.conv import ShortConvolution, max_seq_len, token_layout
 from kda_jax.nn.norm import RMSNormGated
@@ -196,14 +197,14 @@ class KimiDeltaAttention(nnx.Module):
         """
         num_seqs = _positive(num_seqs, "num_seqs", least=0)
         try:
-            np.dtype(state_dtype)
+            # None is no dtype here (NumPy would read it as float64).
+            ok = state_dtype is not None and np.dtype(state_dtype) in _FLOAT
         except TypeError as e:
             raise TypeError(f"state_dtype={state_dtype!r} is not a dtype; pass jnp.float32, "
                             "jnp.bfloat16 or jnp.float16") from e
-        if np.dtype(state_dtype) not in _FLOAT:
-            raise TypeError(f"state_dtype={np.dtype(state_dtype)} must be float32, bfloat16 "
-                            "or float16 (the KDA state's storage; it is computed on in "
-                            "float32)")
+        if not ok:
+            raise TypeError(f"state_dtype={state_dtype!r} must be float32, bfloat16 or float16 "
+                            "(the KDA state's storage; it is computed on in float32)")
         dtype = dtype or self.dtype or self.param_dtype
         conv = lambda c: (jnp.zeros((num_seqs, self.conv_size - 1, c), dtype)
                           if self.use_short_conv else None)
@@ -381,6 +382,12 @@ class KimiDeltaAttention(nnx.Module):
                 f"x of shape {tuple(x.shape)}, got state_indices of shape {got}; pass "
                 "cache.at(state_indices) with one row per token's states")
         self._check_cache(cache, n, "B")
+        if num_accepted_tokens is not None:
+            # Before the conv rows use them (the kernels check them again).
+            _int_vector(num_accepted_tokens, "num_accepted_tokens", n, "N (x's first dimension)",
+                        "int")
+        if n == 0:  # no sequence: __call__'s empty y, and nothing written
+            return self(x), cache
         layout = (token_layout(SeqBounds.from_lengths(np.full(n, w, np.int64)), n * w)
                   if self.use_short_conv else None)
         # The conv rows narrowed as the kernels narrow theirs (an index past
