@@ -253,7 +253,9 @@ _ARGS_DOC = """
         ``write_indices[n]``; -1 reads (zeros) or writes nothing. A row that is
         read and not written comes back bit-identical, and several sequences
         may read one row; written rows must be distinct (checked as
-        ``state_indices`` is).
+        ``state_indices`` is), and no sequence may read a row another one
+        writes (or checkpoints into) in the same call: the sequences run in no
+        order (NumPy indices that do are refused; device ones are undefined).
       has_initial_state: bool ``[N]`` or None (all True). False: the sequence
         starts from zeros and never reads its row (which may hold garbage);
         the row still receives its final state.

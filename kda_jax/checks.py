@@ -496,8 +496,30 @@ def _check_pool(state_cache, state_indices, has_initial_state, *, bounds, n, wha
     if state_indices is not None:
         return state_pool.StatePool(state_cache, rows(state_indices, "state_indices"),
                                     has_initial_state)
-    return state_pool.StatePool(state_cache, rows(read_indices, "read_indices", True),
-                                has_initial_state, rows(write_indices, "write_indices"))
+    read, write = rows(read_indices, "read_indices", True), rows(write_indices, "write_indices")
+    if isinstance(read, np.ndarray) and isinstance(write, np.ndarray):
+        _check_row_owners(read, write, "write_indices")
+    return state_pool.StatePool(state_cache, read, has_initial_state, write)
+
+
+def _check_row_owners(read: np.ndarray, written: np.ndarray, written_name: str):
+    """Host rows: a row one sequence writes in a call is that sequence's alone
+    in the call; no other sequence reads it (``read`` int [N], -1 for none;
+    ``written`` int [N] or [N, J]). The kernels run the sequences' programs in
+    no order, so such a read would see the row's old or new state."""
+    writers = np.argwhere(written >= 0)
+    for pos in writers:
+        m, row = int(pos[0]), int(written[tuple(pos)])
+        readers = np.flatnonzero((read == row) & (np.arange(read.shape[0]) != m))
+        if readers.size:
+            n = int(readers[0])
+            at = ", ".join(str(int(i)) for i in pos)
+            raise ValueError(
+                f"read_indices[{n}]={row} is the row sequence {m} writes in the same call "
+                f"({written_name}[{at}]={row}): a row written in a call belongs to the "
+                f"sequence that writes it, and the order between sequences is undefined (on a "
+                f"GPU sequence {n} could read the old state or the new one). Read it in the "
+                f"next call, or write sequence {m}'s state to another row")
 
 
 def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
@@ -668,5 +690,10 @@ def check_checkpoints(checkpoint_every, checkpoint_indices, *, chunk_size: int, 
         return every, state_pool.narrow_indices(idx, slots)
     used = np.arange(idx.shape[1])[None, :] < checkpoint_counts(lengths, every)[:, None]
     final_rows = state_pool.write_index(pool)
-    return every, _check_checkpoint_rows(
+    rows = _check_checkpoint_rows(
         idx, used, slots, final_rows if isinstance(final_rows, np.ndarray) else None)
+    read_rows, has = pool.indices, pool.has_initial_state
+    if isinstance(read_rows, np.ndarray) and (has is None or isinstance(has, np.ndarray)):
+        _check_row_owners(read_rows if has is None else np.where(has, read_rows, -1), rows,
+                          "checkpoint_indices")
+    return every, rows

@@ -370,6 +370,12 @@ ROWS = np.array([[3, 4, 5], [-1, -1, -1], [6, 7, 8]], np.int32)
      ValueError, r"checkpoint_indices names row 3 more than once \(at \[0, 0\], \[2, 1\]\)"),
     (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 6, 2, ROWS), **POOL),
      ValueError, r"checkpoint_indices\[2, 0\]=2 is also the row sequence 2's final state"),
+    # A checkpoint row another sequence reads in the same call (its own read row is fine).
+    (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 6, 9, ROWS),
+          state_cache=POOL["state_cache"], read_indices=np.array([9, 10, 11], np.int32),
+          write_indices=np.array([0, 1, 2], np.int32)),
+     ValueError, r"read_indices\[0\]=9 is the row sequence 2 writes in the same call "
+                 r"\(checkpoint_indices\[2, 0\]=9\)"),
 ])
 def test_argument_errors(no_backend, kw, error, match):
     with pytest.raises(error, match=match):

@@ -122,8 +122,16 @@ def test_read_and_write_slot_errors(fn):
         call(read_indices=np.array([0, 1, 6], np.int32), write_indices=idx)
     with pytest.raises(ValueError, match="read_indices is only used with state_cache"):
         FNS[fn](*x.args(), read_indices=idx, implementation="xla")
-    o, new = call(read_indices=np.array([1, 1, 1], np.int32), write_indices=idx)
-    assert new.shape == pool.shape  # a row read by every sequence is fine
+    # A row one sequence writes is its own in the call: another reading it is refused
+    # (on a GPU it would see the old or the new state), naming both.
+    with pytest.raises(ValueError, match=r"read_indices\[0\]=1 is the row sequence 1 writes in "
+                                         r"the same call \(write_indices\[1\]=1\)"):
+        call(read_indices=np.array([1, 1, 1], np.int32), write_indices=idx)
+    with pytest.raises(ValueError, match=r"read_indices\[1\]=0 is the row sequence 0 writes"):
+        call(read_indices=np.array([3, 0, 2], np.int32), write_indices=idx)  # a chain 0 -> 1
+    o, new = call(read_indices=np.array([1, 1, 1], np.int32),
+                  write_indices=np.array([3, 4, 5], np.int32))
+    assert new.shape == pool.shape  # a row read by every sequence and written by none is fine
 
 
 @pytest.mark.parametrize("dtype,v_first", [("bfloat16", False), ("bfloat16", True),
