@@ -68,9 +68,10 @@ class ForwardConfig:
       products loop over K in slices of this width) with 16-bit / float32
       inputs; float32 ones take fp32-grade products, which hold more registers.
     prepare_warps / prepare_stages: its num_warps / num_stages.
-    prepare_split: Aqk and Akk in a pass over K each (one [BT, BT]
-      accumulator live at a time: fewer registers, the k and log-decay tiles
-      read twice) instead of one pass for both.
+    prepare_split / prepare_split_fp32: Aqk and Akk in a pass over K each
+      (one [BT, BT] accumulator live at a time: fewer registers, the k and
+      log-decay tiles read twice) instead of one pass for both, with 16-bit /
+      float32 inputs.
     prepare_dot: precision of its intra-chunk products Akk and Aqk with
       16-bit inputs: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32
       products, about fp32 accuracy), "tf32" (NVIDIA only), "bf16" (operands
@@ -102,6 +103,7 @@ class ForwardConfig:
     prepare_warps: int = 4
     prepare_stages: int = 1
     prepare_split: bool = False
+    prepare_split_fp32: bool = False
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
     inverse_dot: str = "ieee"
@@ -123,8 +125,9 @@ class ForwardConfig:
             stages=("prepare_stages", "state_stages", "state_stages_fp32"),
             dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
-        if not isinstance(self.prepare_split, bool):
-            raise ValueError(f"prepare_split={self.prepare_split!r} must be True or False")
+        for name in ("prepare_split", "prepare_split_fp32"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
 
 
 # One entry per arch at chunk 64, then one per arch at chunk 32; every field
@@ -133,12 +136,15 @@ class ForwardConfig:
 FORWARD = {
     # Whole-chunk [64, 16] prepare tiles at 8 warps (at 4, two programs fit
     # an SM but the in-kernel gate and L2 norm spill), their K-slice loads
-    # staged three deep (one stage: 26 % slower at 4 warps); tf32 Akk/Aqk and bf16 w/u stay within
+    # staged three deep (one stage: 26 % slower at 4 warps); float32 inputs'
+    # Aqk and Akk in a pass each (in one, their split products spill at
+    # K = 128); tf32 Akk/Aqk and bf16 w/u stay within
     # the bf16 tolerance (fp32-grade products cost 10-60 %), float32 inputs
     # get fp32-grade products; three state stages, two for float32 tiles
     # (three outgrow shared memory).
     "sm90": ForwardConfig(
         prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=3,
+        prepare_split_fp32=True,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", fp32_dot="bf16x3",
         state_block_v=32, state_warps=4, state_stages=3,
         state_block_v_wide=16, state_warps_wide=8,
@@ -393,7 +399,7 @@ class BackwardConfig:
     The recompute (the forward's prepare kernel, storing X too):
     prepare_block_k / prepare_block_k_fp32 / prepare_warps / prepare_stages /
       prepare_split / prepare_dot / prepare_wu_dot / inverse_dot: as
-      ForwardConfig's.
+      ForwardConfig's (prepare_split for 16-bit and float32 inputs alike).
     prepare_dot_fp32: every recompute product with float32 inputs (as
       ForwardConfig.fp32_dot).
 

@@ -78,6 +78,7 @@ def test_unknown_arch_is_named():
     (dict(state_block_v_fp32=None), "state_block_v_fp32=None must be a power of two"),
     (dict(prepare_block_k_fp32=48), "prepare_block_k_fp32=48 must be a power of two"),
     (dict(prepare_split=1), "prepare_split=1 must be True or False"),
+    (dict(prepare_split_fp32=None), "prepare_split_fp32=None must be True or False"),
 ])
 def test_forward_config_refuses_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -58,6 +58,7 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     fwd = ForwardConfig(
         prepare_block_k=config.prepare_block_k, prepare_warps=config.prepare_warps,
         prepare_stages=config.prepare_stages, prepare_split=config.prepare_split,
+        prepare_split_fp32=config.prepare_split,
         prepare_dot=config.prepare_dot,
         prepare_wu_dot=config.prepare_wu_dot, inverse_dot=config.inverse_dot,
         fp32_dot=config.prepare_dot_fp32, prepare_block_k_fp32=config.prepare_block_k_fp32)
