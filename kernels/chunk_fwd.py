@@ -268,7 +268,7 @@ def kda_fwd_prepare_kernel(
         # accumulator is live at a time; the log-decays come from gc (the
         # in-kernel gate's, stored by pass 1; the barrier makes every
         # thread's stores visible to the whole program) or from g again.
-        # With STORE_X (transformed inputs: no in-kernel gate) G goes to gc.
+        # With STORE_X, G then goes to gc.
         tl.debug_barrier()
         for ks in range(0, K, BK):
             o_k = ks + tl.arange(0, BK)
@@ -286,6 +286,8 @@ def kda_fwd_prepare_kernel(
             b_aqk, b_akk = _anchored_products(b_aqk, b_akk, b_k, b_k, b_g, o_t, DOT_A, False,
                                               True)
             if STORE_X:
+                if USE_GATE:
+                    tl.debug_barrier()  # every read of the slice before any write over it
                 tl.store(gc + p_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
 
     # X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).

@@ -1,8 +1,9 @@
 """Pieces shared by the chunked kernels (chunk_fwd, chunk_bwd) and the decode
 kernel: the product-precision helper, tile loads, a chunk's rows, the
 chunk-local decay G read back from its buffer, and the decay factors and
-masks of the two-level intra-chunk products (docs/kda.md section 3). The log-decay numerics
-(in-kernel gate, floor, non-finite checks) are kernels/gate.py.
+masks of the two-level intra-chunk products (docs/kda.md section 3). The
+log-decay numerics (in-kernel gate, floor, non-finite checks) are
+kernels/gate.py.
 
 Names follow the kernels': b_ register tiles, o_ offsets, m_ masks, p_
 pointers or element offsets; BT the chunk, BK / BV the K / V blocks.
@@ -74,11 +75,11 @@ def anchored_factors(b_g, LEVEL: tl.constexpr):
     e^-ANCHOR_CLAMP both in truth and in the product (an error below
     2e-9 |q_i| |k_j|, and below e^-20 times the pair's decay over the
     tokens no clamp touches: at level 1 row i's own log-decay, which every
-    pair of row i spans, is never clamped). Every exponent is a sum of log-decays within a block
-    or of clamped block sums: its rounding is relative to those, not to the
-    chunk's G. Factors a level never uses (block 0's rows and the last
-    block's columns at level 0, each block's last row as a column at level
-    1) are e^0."""
+    pair of row i spans, is never clamped). Every exponent is a sum of
+    log-decays within a block or of clamped block sums: its rounding is
+    relative to those, not to the chunk's G. Factors a level never uses
+    (block 0's rows and the last block's columns at level 0, each block's
+    last row as a column at level 1) are e^0."""
     BT: tl.constexpr = b_g.shape[0]
     BK: tl.constexpr = b_g.shape[1]
     NB: tl.constexpr = BT // BR
