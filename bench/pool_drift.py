@@ -11,10 +11,10 @@ norm, the beta sigmoid and the safe gate at lower bound -5 computed in the
 kernel) with the strong regime's gate parameters (exp(A_log) ~ U(1, 16),
 dt_bias ~ U(-0.5, 0.5)). At the init gate's parameters (long memory) a bf16
 pool's worst step reads 8e-3 over 4096 steps, past the bf16 bar: this
-record is the strong gates'. A 16-bit pool rounds every state it writes, so its rounding errors
-enter every later step; the row of each 16-bit dtype records o's relative RMS
-difference from the float32 pool's o at every step (the largest and the last)
-and the final states' relative RMS difference. Numerics, not timing: on a CPU
+record is the strong gates'. A 16-bit pool rounds every state it writes, so
+its rounding errors enter every later step; the row of each 16-bit dtype
+records o's relative RMS difference from the float32 pool's o at every step
+(the largest and the last) and the final states' relative RMS difference. Numerics, not timing: on a CPU
 the XLA path measures the same arithmetic the GPU does, only slower.
 """
 

@@ -49,5 +49,6 @@ def main(argv=None):
         for _ in range(args.calls):
             jax.block_until_ready(step(*x))
 
+
 if __name__ == "__main__":
     main()

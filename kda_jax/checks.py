@@ -506,20 +506,21 @@ def _check_row_owners(read: np.ndarray, written: np.ndarray, written_name: str):
     """Host rows: a row one sequence writes in a call is that sequence's alone
     in the call; no other sequence reads it (``read`` int [N], -1 for none;
     ``written`` int [N] or [N, J]). The kernels run the sequences' programs in
-    no order, so such a read would see the row's old or new state."""
-    writers = np.argwhere(written >= 0)
-    for pos in writers:
-        m, row = int(pos[0]), int(written[tuple(pos)])
-        readers = np.flatnonzero((read == row) & (np.arange(read.shape[0]) != m))
-        if readers.size:
-            n = int(readers[0])
-            at = ", ".join(str(int(i)) for i in pos)
-            raise ValueError(
-                f"read_indices[{n}]={row} is the row sequence {m} writes in the same call "
-                f"({written_name}[{at}]={row}): a row written in a call belongs to the "
-                f"sequence that writes it, and the order between sequences is undefined (on a "
-                f"GPU sequence {n} could read the old state or the new one). Read it in the "
-                f"next call, or write sequence {m}'s state to another row")
+    no order, so such a read would see the row's old or new state. One
+    vectorized comparison (it runs on the host at every serving call)."""
+    pos = np.argwhere(written >= 0)  # [E, ndim]: each written entry, its sequence first
+    rows = written[tuple(pos.T)]
+    clash = (read[:, None] == rows[None, :]) & (np.arange(read.shape[0])[:, None]
+                                                != pos[None, :, 0])
+    if clash.any():
+        n, e = (int(i) for i in np.argwhere(clash)[0])
+        m, row, at = int(pos[e, 0]), int(rows[e]), ", ".join(str(int(i)) for i in pos[e])
+        raise ValueError(
+            f"read_indices[{n}]={row} is the row sequence {m} writes in the same call "
+            f"({written_name}[{at}]={row}): a row written in a call belongs to the "
+            f"sequence that writes it, and the order between sequences is undefined (on a "
+            f"GPU sequence {n} could read the old state or the new one). Read it in the "
+            f"next call, or write sequence {m}'s state to another row")
 
 
 def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,

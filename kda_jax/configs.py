@@ -138,10 +138,10 @@ FORWARD = {
     # an SM but the in-kernel gate and L2 norm spill), their K-slice loads
     # staged three deep (one stage: 26 % slower at 4 warps); float32 inputs'
     # Aqk and Akk in a pass each (in one, their split products spill at
-    # K = 128); tf32 Akk/Aqk and bf16 w/u stay within
-    # the bf16 tolerance (fp32-grade products cost 10-60 %), float32 inputs
-    # get fp32-grade products; three state stages, two for float32 tiles
-    # (three outgrow shared memory).
+    # K = 128); tf32 Akk/Aqk and bf16 w/u stay within the bf16 tolerance
+    # (fp32-grade products cost 10-60 %), float32 inputs get fp32-grade
+    # products; three state stages, two for float32 tiles (three outgrow
+    # shared memory).
     "sm90": ForwardConfig(
         prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=3,
         prepare_split_fp32=True,
@@ -501,12 +501,11 @@ BACKWARD = {
     # parameters' gradient bar), tf32x3 ones with float32 intermediates; the
     # recompute at 4 warps and 16-wide slices (two programs per SM), Aqk and
     # Akk in a pass each (in one, its split products spill); 16-wide intra K
-    # blocks at 8 warps (32-wide ones,
-    # which run each block's [BT, BT] work half as often, spill with float32
-    # intermediates); the
-    # largest wy blocks that compile without spills at every spec; the
-    # in-kernel gate's float32 intermediates up to K = 128 (at K = 256 the
-    # float32 state passes spill over a KiB).
+    # blocks at 8 warps (32-wide ones, which run each block's [BT, BT] work
+    # half as often, spill with float32 intermediates); the largest wy blocks
+    # that compile without spills at every spec; the in-kernel gate's float32
+    # intermediates up to K = 128 (at K = 256 the float32 state passes spill
+    # over a KiB).
     "sm90": BackwardConfig(
         prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
         prepare_split=True,
