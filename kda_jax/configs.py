@@ -154,10 +154,13 @@ FORWARD = {
     # relative) where sm90 runs tf32 (Akk/Aqk, the inverse's merge, whose X is
     # rounded to bf16 for w/u anyway) and for float32 inputs as sm90 does;
     # Triton >= 3.6 (kda_jax.triton.compat.check_dot_mode). gfx950: sm90's
-    # tiles at 4 waves of 64 compile without spills; float32 state tiles take
-    # one stage to fit 160 KiB of LDS.
+    # tiles at 4 waves of 64 compile without spills, Aqk and Akk in a pass
+    # each (in one, their four [64, 64] accumulators take 301 VGPRs, one wave
+    # per SIMD, against 254 and two); float32 state tiles take one stage to
+    # fit 160 KiB of LDS.
     "gfx950": ForwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
+        prepare_split=True,
         prepare_dot="bf16x3", prepare_wu_dot="bf16", inverse_dot="bf16x3", fp32_dot="bf16x3",
         state_block_v=32, state_warps=2, state_stages=2,
         state_block_v_wide=32, state_warps_wide=2,
@@ -500,9 +503,9 @@ BACKWARD = {
     # Split-bf16 products with 16-bit inputs (tf32 ones miss the gate
     # parameters' gradient bar), tf32x3 ones with float32 intermediates; the
     # recompute at 4 warps and 16-wide slices (two programs per SM), Aqk and
-    # Akk in a pass each (in one, its split products spill); 16-wide intra K
-    # blocks at 8 warps (32-wide ones, which run each block's [BT, BT] work
-    # half as often, spill with float32 intermediates); the largest wy blocks
+    # Akk in a pass each (in one, its split products spill); 32-wide intra K
+    # blocks at 8 warps (each chunk's [BT, BT] work half as often as at 16;
+    # 64-wide ones spill); the largest wy blocks
     # that compile without spills at every spec; the in-kernel gate's float32
     # intermediates up to K = 128 (at K = 256 the float32 state passes spill
     # over a KiB).
@@ -515,7 +518,7 @@ BACKWARD = {
         state_stages_fp32=2, dstate_split_k=True,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
+        intra_block_k=32, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
         gate_fp32_max_k=128),
     # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
     # w/u included); float32 intermediates keep "ieee" in the state passes and

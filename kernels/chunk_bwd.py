@@ -32,7 +32,7 @@ STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl, G and X^T. Then:
   kda_bwd_wy_kernel       grid (chunks, HV): everything that needs X: dv,
                           dbeta's WY terms, B's terms of dk and dG, and
                           dL = -X^T M (the inverse's backward).
-  kda_bwd_intra_kernel    grid (chunks, HV, K blocks): the intra-chunk
+  kda_bwd_intra_kernel    grid (chunks x K blocks, HV): the intra-chunk
                           products back to dq, dk, dG; dg = reverse cumsum.
 
 Layouts: h, dS [NC, HV, K, V] fp32 (K first, whatever the state layout);
@@ -45,7 +45,7 @@ kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
 have exponents <= 0, and the products' backward takes the forward's
-two-level factors (common.anchored_factors, from the log-decays g, which the
+two-level factors (common.chunk_exponents, from the log-decays g, which the
 caller floors at GATE_FLOOR): one path for every gate. The inter
 kernel takes e^(G_last - G) as partial sums of g, with error relative to
 themselves, not to |G|.
@@ -54,8 +54,8 @@ themselves, not to |G|.
 import triton
 import triton.language as tl
 
-from .common import (anchored_factors, anchored_mask, chunk_rows, decay_row, dot, g_last_row,
-                     g_tile, next_decay_row, suffix_exponent, tile)
+from .common import (anchored_mask, chunk_exponents, chunk_rows, decay_row, dot, g_last_row,
+                     g_tile, next_decay_row, tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
 
@@ -291,7 +291,8 @@ def kda_bwd_inter_kernel(
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_eg = tl.exp(b_G)
-    b_et = tl.exp(suffix_exponent(tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)))
+    _, b_sfx, _, _, _, _ = chunk_exponents(tile(g, rows, m_t, i_hv, o_k, m_k, HV, K))
+    b_et = tl.exp(b_sfx)
     b_kt = b_k * b_et
     b_dq = b_dqg * b_eg * SCALE
     b_dk = b_dkt * b_et
@@ -315,9 +316,9 @@ def kda_bwd_inter_kernel(
 @triton.jit
 def _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, o_t, DOT: tl.constexpr):
     """Backward of the forward's two-level intra-chunk products
-    (chunk_fwd._anchored_products; docs/kda.md section 3) over one K slice:
+    (chunk_fwd._anchored_accumulate; docs/kda.md section 3) over one K slice:
     per level, the row factors R and column factors C with e_ij = R_i C_j on
-    its pairs (common.anchored_factors), and four masked products. b_g: the
+    its pairs (common.chunk_exponents), and four masked products. b_g: the
     log-decays [BT, BK]; b_dl = dL and b_daqs = dAqk without its diagonal
     ([BT, BT]); b_b = beta. The diagonal (e^0, dAqk's only: dL is strictly
     lower) is the caller's.
@@ -326,17 +327,12 @@ def _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, o_t, DOT: tl.conste
     Dk_j = sum_i (beta_i dL_ij k_i + dAqk_ij q_i) e_ij and
     P_i = sum_j dL_ij k_j e_ij, e_ij = e^(G_i - G_j), i > j."""
     b_dlb = b_dl * b_b[:, None]
-    b_qd = tl.zeros_like(b_k)
-    b_dk = tl.zeros_like(b_k)
-    b_pk = tl.zeros_like(b_k)
-    for lvl in tl.static_range(2):
-        b_r, b_c = anchored_factors(b_g, lvl)
-        e_qd, e_dk, e_pk = _anchored_level_bwd(b_q, b_k, b_r, b_c, anchored_mask(o_t, lvl), b_dl,
-                                               b_dlb, b_daqs, DOT)
-        b_qd += e_qd
-        b_dk += e_dk
-        b_pk += e_pk
-    return b_qd, b_dk, b_pk
+    _, _, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
+    b_qd, b_dk, b_pk = _anchored_level_bwd(b_q, b_k, tl.exp(b_r0), tl.exp(b_c0),
+                                           anchored_mask(o_t, 0), b_dl, b_dlb, b_daqs, DOT)
+    e_qd, e_dk, e_pk = _anchored_level_bwd(b_q, b_k, tl.exp(b_r1), tl.exp(b_c1),
+                                           anchored_mask(o_t, 1), b_dl, b_dlb, b_daqs, DOT)
+    return b_qd + e_qd, b_dk + e_dk, b_pk + e_pk
 
 
 @triton.jit
@@ -497,7 +493,10 @@ def kda_bwd_intra_kernel(
     exponent does not depend on G, and adding its O(1) term to dG_i from the
     row side and subtracting it from the column side would leave float32
     residue where the true dG is below 1e-16 (fully decayed channels)."""
-    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # A chunk's K blocks are neighbours in the grid: they read the same dL and
+    # dAqk tiles, which then come from L2.
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_c, i_k, i_hv = tl.program_id(0) // NK, tl.program_id(0) % NK, tl.program_id(1)
     i_h = i_hv // (HV // H)
     t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
                                                   n_tokens, BT)
@@ -511,7 +510,7 @@ def kda_bwd_intra_kernel(
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     # The forward's factors come from the (floored) log-decays
-    # (common.anchored_factors).
+    # (common.chunk_exponents).
     b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
     b_dd = tl.load(daqk + (r64 * HV + i_hv) * BT + o_t, mask=m_t, other=0.)
     b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
@@ -529,4 +528,4 @@ def kda_bwd_intra_kernel(
     tl.store(dq + p_tk, b_dq, mask=m_tk)
     tl.store(dk + p_tk, b_dk, mask=m_tk)
     tl.store(dg + p_tk, b_dg, mask=m_tk)
-    tl.store(dbeta_k + (r64 * HV + i_hv) * tl.num_programs(2) + i_k, b_db, mask=m_t)
+    tl.store(dbeta_k + (r64 * HV + i_hv) * NK + i_k, b_db, mask=m_t)

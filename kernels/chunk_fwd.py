@@ -26,7 +26,7 @@ arrays: n_bounds (cu_seqlens' length - 1), n_tokens (T) and n_chunk_rows (NC).
 
 The prepare kernel works on whole-chunk tiles [BT, BK]. Its intra-chunk
 products run in two levels whose cost does not depend on the gate values
-(_anchored_products): every decay factor is at most e^60 for any g in
+(_anchored_accumulate): every decay factor is at most e^60 for any g in
 [-inf, 0] (floored at GATE_FLOOR, kernels/gate.py), accurate relative to its
 pair's decay, which a clamp changes only where it passes e^-20 anyway.
 """
@@ -34,8 +34,8 @@ pair's decay, which a clamp changes only where it passes e^-20 anyway.
 import triton
 import triton.language as tl
 
-from .common import (anchored_factors, anchored_mask, chunk_rows, decay_row, dot, next_decay_row,
-                     store_zero_rows, suffix_exponent, tile)
+from .common import (anchored_mask, chunk_exponents, chunk_rows, decay_row, dot, next_decay_row,
+                     store_zero_rows, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state, store_state_row
 from .varlen import seq_chunks, seq_span
@@ -56,11 +56,17 @@ def _inv_norm(x, rows, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.conste
 
 @triton.jit
 def _tile_checked(x, rows, m_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
-    """As common.tile, with non-finite entries replaced by 0; also returns which
-    rows held one ([BT] int1)."""
+    """As common.tile, with non-finite entries replaced by 0; also returns where
+    they were ([BT, BK] int1; _bad_rows turns that into rows)."""
     b_x = tile(x, rows, m_t, i_h, o_k, m_k, H, K)
     b_bad = nonfinite(b_x)
-    return tl.where(b_bad, 0., b_x), tl.max(b_bad.to(tl.int32), axis=1) > 0
+    return tl.where(b_bad, 0., b_x), b_bad
+
+
+@triton.jit
+def _bad_rows(b_bad):
+    """[BT] int1: the rows of a [BT, BK] int1 tile that hold a True."""
+    return tl.max(b_bad.to(tl.int32), axis=1) > 0
 
 
 @triton.jit
@@ -70,7 +76,7 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
                     HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr):
     """The per-token log-decay [BT, BK] (the gate applied, floored at
     GATE_FLOOR; 0 on rows past the sequence and where the raw g poisons the
-    recurrence), and which rows held such a g ([BT] int1). b_alog: the head's
+    recurrence), and where such a g was ([BT, BK] int1). b_alog: the head's
     A_log (float32 scalar, loaded once by the caller; unused without it)."""
     p = g + (rows.to(tl.int64) * HV + i_hv)[:, None] * K + o_k[None, :]
     m = m_t[:, None] & m_k[None, :]
@@ -83,34 +89,29 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
             b_g = b_g + b_dt[None, :]
         b_g = gate(b_g, b_alog, HAS_A_LOG, HAS_LOWER_BOUND, LOWER_BOUND)
     b_g = tl.where(m, tl.maximum(b_g, GATE_FLOOR), 0.)
-    return b_g, tl.max(b_bad.to(tl.int32), axis=1) > 0
+    return b_g, b_bad
 
 
 @triton.jit
-def _anchored_products(b_aqk, b_akk, b_q, b_k, b_g, o_t, DOT: tl.constexpr,
-                       AQK: tl.constexpr, AKK: tl.constexpr):
-    """(b_aqk + q_i . k_j e^(G_i - G_j), b_akk + k_i . k_j e^(G_i - G_j)) for
-    every j < i, [BT, BT], for one K slice (b_q, b_k [BT, BK]; b_g the
-    log-decays [BT, BK] fp32, 0 on rows past the sequence), each only where
-    its flag (AQK, AKK) is set; Aqk's diagonal is the caller's (exact,
-    q_i . k_i).
+def _anchored_accumulate(b_x0, b_x1, b_a, b_k, b_e0, b_y0, b_e1, b_y1, DOT: tl.constexpr):
+    """The two levels' products of one K slice (docs/kda.md section 3),
+    accumulated unmasked: b_x0 + (a R0) (k C0)^T and b_x1 + (a R1) (k C1)^T
+    ([BT, BT]), b_a, b_k [BT, BK], b_e0 = R0 and b_e1 = R1 the row factors,
+    b_y0 = (k C0)^T and b_y1 = (k C1)^T the column operands [BK, BT] (shared
+    by Aqk and Akk). Each level's mask applies once, after the last slice
+    (_anchored_combine): its factors are finite on every pair, at most e^60
+    each (common.chunk_exponents)."""
+    b_x0 = dot(b_a * b_e0, b_y0, DOT, b_x0)
+    b_x1 = dot(b_a * b_e1, b_y1, DOT, b_x1)
+    return b_x0, b_x1
 
-    Two levels (docs/kda.md section 3; common.anchored_factors): the pairs
-    in different BR-row blocks, then the pairs within one block, each as one
-    masked product per matrix through factors R_i C_j = e^(G_i - G_j) that
-    are at most e^60 whatever the gates; the column operand is shared by
-    Aqk and Akk. Where the clamp on log-decay sums acts, the pair's decay
-    passes e^-20 in truth and in the product. The cost does not depend on
-    the gate values."""
-    for lvl in tl.static_range(2):
-        b_r, b_c = anchored_factors(b_g, lvl)
-        m_l = anchored_mask(o_t, lvl)
-        b_y = tl.trans(b_k * b_c)
-        if AQK:
-            b_aqk += tl.where(m_l, dot(b_q * b_r, b_y, DOT), 0.)
-        if AKK:
-            b_akk += tl.where(m_l, dot(b_k * b_r, b_y, DOT), 0.)
-    return b_aqk, b_akk
+
+@triton.jit
+def _anchored_combine(b_x0, b_x1, o_t):
+    """a_i . k_j e^(G_i - G_j) for every j < i ([BT, BT], 0 elsewhere) from
+    the two levels' accumulated products: each on its own pairs."""
+    return (tl.where(anchored_mask(o_t, 0), b_x0, 0.)
+            + tl.where(anchored_mask(o_t, 1), b_x1, 0.))
 
 
 # Diagonal block of the blocked inverse: a sweep of BB - 1 steps inverts all of
@@ -217,18 +218,24 @@ def kda_fwd_prepare_kernel(
 
     # Pass 1 over K slices: the log-decays, exp(G_last), Aqk and Akk (with
     # SPLIT_PASSES, Aqk alone), and the rows q*exp(G)*scale, k*exp(G_last - G)
-    # and beta*k*exp(G) (into w's rows: pass 3 reads them back). G and
-    # G_last - G are sums of log-decays (common.suffix_exponent: of the rows
-    # after i); the products' exponents are sums within a block or of clamped
-    # block sums (common.anchored_factors), not differences of G: their
-    # rounding is relative to themselves, however deep the chunk's decay.
+    # and beta*k*exp(G) (into w's rows: pass 3 reads them back). Every
+    # exponent is a sum of log-decays within a block plus (clamped, for the
+    # products) block sums (common.chunk_exponents), not a difference of G:
+    # its rounding is relative to itself, however deep the chunk's decay.
+    # Each level's products accumulate unmasked over the slices, and its
+    # mask applies once at the end (_anchored_combine).
     # Non-finite entries of k are zeroed like the others (_tile_checked): the
     # rows from the first poisoning row on are NaN'ed at the end.
     p_hk = i_hv * K
     p_gl = gl + (i_c.to(tl.int64) * HV + i_hv) * K
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_diag = tl.zeros([BT], dtype=tl.float32)
+    b_aqk0 = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk1 = tl.zeros([BT, BT], dtype=tl.float32)
+    b_akk0 = tl.zeros([BT, BT], dtype=tl.float32)
+    b_akk1 = tl.zeros([BT, BT], dtype=tl.float32)
+    # Aqk's diagonal and the non-finite entries, elementwise over the slices
+    # (one reduction each after the loop, not one per slice).
+    b_qk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_bad_tk = tl.zeros([BT, BK], dtype=tl.int1)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
@@ -237,29 +244,39 @@ def kda_fwd_prepare_kernel(
         b_g, b_bad = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
-        b_poison = b_poison | b_bad
-        # G (rows past the sequence repeat the last: g = 0 there).
-        b_G = tl.cumsum(b_g, axis=0)
+        b_bad_tk = b_bad_tk | b_bad
+        # Rows past the sequence have g = 0: G repeats the last row there.
+        b_G, b_S, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
         if STORE_X and not SPLIT_PASSES:
             tl.store(gc + p_tk, b_G, mask=m_tk)
         if SPLIT_PASSES and USE_GATE:
             tl.store(gc + p_tk, b_g, mask=m_tk)  # for pass 2
-        tl.store(p_gl + o_k, tl.exp(tl.sum(b_g, axis=0)), mask=m_k)
         b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
         b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
-        b_poison = b_poison | b_bad
+        b_bad_tk = b_bad_tk | b_bad
         b_k = b_k * b_sk[:, None]
-        b_aqk, b_akk = _anchored_products(b_aqk, b_akk, b_q, b_k, b_g, o_t, DOT_A, True,
-                                          not SPLIT_PASSES)
-        b_diag += tl.sum(b_q * b_k, axis=1)
+        b_e0 = tl.exp(b_r0)
+        b_e1 = tl.exp(b_r1)
+        b_y0 = tl.trans(b_k * tl.exp(b_c0))
+        b_y1 = tl.trans(b_k * tl.exp(b_c1))
+        b_aqk0, b_aqk1 = _anchored_accumulate(b_aqk0, b_aqk1, b_q, b_k, b_e0, b_y0, b_e1, b_y1,
+                                              DOT_A)
+        if not SPLIT_PASSES:
+            b_akk0, b_akk1 = _anchored_accumulate(b_akk0, b_akk1, b_k, b_k, b_e0, b_y0, b_e1,
+                                                  b_y1, DOT_A)
+        b_qk += b_q * b_k
         b_eG = tl.exp(b_G)
+        # exp(G_last): G's last row (rows past the sequence repeat it).
+        tl.store(p_gl + o_k[None, :] + 0 * o_t[:, None], b_eG,
+                 mask=(o_t == BT - 1)[:, None] & m_k[None, :])
         tl.store(qg + p_tk, (b_q * b_eG * SCALE).to(qg.dtype.element_ty), mask=m_tk)
-        tl.store(kt + p_tk, (b_k * tl.exp(suffix_exponent(b_g))).to(kt.dtype.element_ty),
-                 mask=m_tk)
+        tl.store(kt + p_tk, (b_k * tl.exp(b_S)).to(kt.dtype.element_ty), mask=m_tk)
         tl.store(w + p_tk, (b_k * b_b[:, None] * b_eG).to(w.dtype.element_ty), mask=m_tk)
     # Aqk, scaled, its diagonal exact (q_i . k_i), zero above it.
-    b_aqk += tl.where(o_t[:, None] == o_t[None, :], b_diag[:, None], 0.)
-    b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk * SCALE, 0.)
+    b_aqk = _anchored_combine(b_aqk0, b_aqk1, o_t)
+    b_poison = b_poison | _bad_rows(b_bad_tk)
+    b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_qk, axis=1)[:, None], 0.)
+    b_aqk = b_aqk * SCALE
     tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
              b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
@@ -283,15 +300,17 @@ def kda_fwd_prepare_kernel(
                                          LOWER_BOUND)
             b_k, _ = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
             b_k = b_k * b_sk[:, None]
-            b_aqk, b_akk = _anchored_products(b_aqk, b_akk, b_k, b_k, b_g, o_t, DOT_A, False,
-                                              True)
+            b_G, _, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
+            b_akk0, b_akk1 = _anchored_accumulate(
+                b_akk0, b_akk1, b_k, b_k, tl.exp(b_r0), tl.trans(b_k * tl.exp(b_c0)),
+                tl.exp(b_r1), tl.trans(b_k * tl.exp(b_c1)), DOT_A)
             if STORE_X:
                 if USE_GATE:
                     tl.debug_barrier()  # every read of the slice before any write over it
-                tl.store(gc + p_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
+                tl.store(gc + p_tk, b_G, mask=m_tk)
 
     # X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
-    b_l = tl.where(o_t[:, None] > o_t[None, :], b_akk * b_b[:, None], 0.)
+    b_l = _anchored_combine(b_akk0, b_akk1, o_t) * b_b[:, None]
     b_x = _unit_lower_inverse(b_l, o_t, BT, DOT_INV)
     if STORE_X:
         tl.store(x + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :], tl.trans(b_x),
@@ -301,9 +320,11 @@ def kda_fwd_prepare_kernel(
 
     # Pass 3: w = X (beta * k * exp(G)), from the rows pass 1 stored (the
     # barrier makes every thread's stores visible to the whole program).
+    # Its K slices are as wide as pass 4's V blocks: no [BT, BT] accumulator
+    # is live here, and wide slices take fewer steps.
     tl.debug_barrier()
-    for ks in range(0, K, BK):
-        o_k = ks + tl.arange(0, BK)
+    for ks in range(0, K, BV):
+        o_k = ks + tl.arange(0, BV)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         p_tk = r64[:, None] * (HV * K) + p_hk + o_k[None, :]
         b_kb = tl.load(w + p_tk, mask=m_tk, other=0.).to(tl.float32)
@@ -317,7 +338,7 @@ def kda_fwd_prepare_kernel(
         p_tv = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
         b_vb = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
         b_bad = nonfinite(b_vb)
-        b_poison = b_poison | (tl.max(b_bad.to(tl.int32), axis=1) > 0)
+        b_poison = b_poison | _bad_rows(b_bad)
         b_vb = tl.where(b_bad, 0., b_vb) * b_b[:, None]
         tl.store(u + p_tv, dot(b_x, b_vb, DOT_WU).to(u.dtype.element_ty), mask=m_tv)
 

@@ -16,24 +16,25 @@ from .varlen import chunk_span
 
 
 @triton.jit
-def dot(a, b, DOT: tl.constexpr):
-    """a @ b, float32 accumulate. DOT indexes kda_jax.configs.DOT_MODES:
-    0 = fp32 "ieee", 1 = "tf32x3" (NVIDIA: three tf32 products, about fp32
-    accuracy), 2 = "tf32", 3 = operands rounded to bf16, 4 = "bf16x3" (three
-    bf16 products of a two-term split, about 1e-5 relative), 5 = "bf16x6"
-    (six products of a three-term split, about fp32 accuracy)."""
+def dot(a, b, DOT: tl.constexpr, acc=None):
+    """acc + a @ b (acc None: zeros), float32 accumulate. DOT indexes
+    kda_jax.configs.DOT_MODES: 0 = fp32 "ieee", 1 = "tf32x3" (NVIDIA: three
+    tf32 products, about fp32 accuracy), 2 = "tf32", 3 = operands rounded to
+    bf16, 4 = "bf16x3" (three bf16 products of a two-term split, about 1e-5
+    relative), 5 = "bf16x6" (six products of a three-term split, about fp32
+    accuracy)."""
     if DOT == 1:
-        return tl.dot(a, b, input_precision="tf32x3")
+        return tl.dot(a, b, acc, input_precision="tf32x3")
     elif DOT == 2:
-        return tl.dot(a, b, input_precision="tf32")
+        return tl.dot(a, b, acc, input_precision="tf32")
     elif DOT == 3:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif DOT == 4:
-        return tl.dot(a, b, input_precision="bf16x3")
+        return tl.dot(a, b, acc, input_precision="bf16x3")
     elif DOT == 5:
-        return tl.dot(a, b, input_precision="bf16x6")
+        return tl.dot(a, b, acc, input_precision="bf16x6")
     else:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -58,61 +59,78 @@ BR = tl.constexpr(8)
 
 
 @triton.jit
-def anchored_factors(b_g, LEVEL: tl.constexpr):
-    """The factors of one level of the two-level intra-chunk products from the
-    log-decays b_g [BT, BK] fp32 (docs/kda.md section 3): (R, C) [BT, BK]
-    with e^(G_i - G_j) = R_i C_j, exactly but where the clamp below acts,
-    for the pairs of LEVEL 0 (i and j in different BR-row blocks, i's block
-    after j's) or LEVEL 1 (i > j in one block).
+def chunk_exponents(b_g):
+    """Every exponent the chunked kernels take from the log-decays b_g [BT, BK]
+    fp32 of one chunk and K slice (0 on rows past the sequence): (G, S, R0,
+    C0, R1, C1), all [BT, BK], with
+      G_i = sum_{t <= i} g_t, the chunk-local cumsum;
+      S_i = G_last - G_i = sum_{t > i} g_t;
+      (R0, C0), (R1, C1): the exponents of the two-level intra-chunk
+        products' factors (docs/kda.md section 3): e^(G_i - G_j) =
+        e^(R_i + C_j), exactly but where the clamp below acts, for the pairs
+        of level 0 (i and j in different BR-row blocks, i's block after j's)
+        and of level 1 (i > j in one block).
+    The compiler drops what a caller leaves unused.
 
-    Level 0 anchors on the chunk's middle block boundary a: R_i = e^(G_i -
-    a), C_j = e^(a - G_j), written as a sum within i's block (<= 0) plus the
-    block sums between it and a, and likewise for j; level 1 anchors each
-    block on its row BR / 2 - 1. The sums on the far side of an anchor (block
-    sums for level 0, single log-decays for level 1) are clamped at
-    -ANCHOR_CLAMP before they enter an offset, so a factor is at most
-    e^(3 ANCHOR_CLAMP): where a clamp acts, the pair's decay passes
-    e^-ANCHOR_CLAMP both in truth and in the product (an error below
-    2e-9 |q_i| |k_j|, and below e^-20 times the pair's decay over the
-    tokens no clamp touches: at level 1 row i's own log-decay, which every
-    pair of row i spans, is never clamped). Every exponent is a sum of
-    log-decays within a block or of clamped block sums: its rounding is
-    relative to those, not to the chunk's G. Factors a level never uses
-    (block 0's rows and the last block's columns at level 0, each block's
-    last row as a column at level 1) are e^0."""
+    One scan runs within BR-row blocks; the block sums then go to every
+    block at once (an exchange across the program), where masked sums over
+    them give the sums of the blocks before and after each: no scan across
+    the program. G and S are a block's partial sum plus whole block sums, so
+    their rounding is relative to those sums and |g_i|, not to |G|.
+
+    Level 0 anchors on the chunk's middle block boundary a: R_i = G_i - a,
+    C_j = a - G_j, each a sum within its block (<= 0) plus the block sums
+    between it and a; level 1 anchors each block on its row BR / 2 - 1.
+    The sums on the far side of an anchor (block sums for level 0, single
+    log-decays for level 1) are clamped at -ANCHOR_CLAMP before they enter
+    an offset, so a factor is at most e^(3 ANCHOR_CLAMP): where a clamp
+    acts, the pair's decay passes e^-ANCHOR_CLAMP both in truth and in the
+    product (an error below 2e-9 |q_i| |k_j|, and below e^-20 times the
+    pair's decay over the tokens no clamp touches: at level 1 row i's own
+    log-decay, which every pair of row i spans, is never clamped). Factors
+    a level never uses (block 0's rows and the last block's columns at
+    level 0, each block's last row as a column at level 1) are e^0."""
     BT: tl.constexpr = b_g.shape[0]
     BK: tl.constexpr = b_g.shape[1]
     NB: tl.constexpr = BT // BR
+    o_b = tl.arange(0, NB)[:, None]
+    o_r = tl.arange(0, BR)[None, :, None]
     b_g3 = tl.reshape(b_g, [NB, BR, BK])
-    if LEVEL == 0:
-        # Block sums, clamped; the anchor a = the first NB / 2 of them.
-        o_b = tl.arange(0, NB)[:, None]
-        b_l3 = tl.cumsum(b_g3, axis=1)
-        b_t = tl.sum(b_g3, axis=1)
-        b_tc = tl.maximum(b_t, -ANCHOR_CLAMP)
-        b_s = tl.cumsum(b_tc, axis=0) - b_tc  # clamped G at each block's start
-        b_a = tl.sum(tl.where(o_b < NB // 2, b_tc, 0.), axis=0)[None, :]
-        b_ro = tl.where(o_b == 0, 0., b_s - b_a)
-        b_co = tl.where(o_b == NB - 1, 0., b_a - b_s - b_tc)
-        b_r = tl.reshape(b_l3 + b_ro[:, None, :], [BT, BK])
-        b_c = tl.reshape(b_t[:, None, :] - b_l3 + b_co[:, None, :], [BT, BK])
-    else:
-        # Clamped log-decays within each block, anchored on its row BR / 2 - 1;
-        # a row's own log-decay, which every pair of that row spans, enters
-        # its factor unclamped (that can only lower it).
-        o_r = tl.arange(0, BR)[None, :, None]
-        b_gc3 = tl.maximum(b_g3, -ANCHOR_CLAMP)
-        b_lc3 = tl.cumsum(b_gc3, axis=1)
-        b_h = tl.sum(tl.where(o_r < BR // 2, b_gc3, 0.), axis=1)[:, None, :]
-        b_r = tl.reshape(b_lc3 - b_h + (b_g3 - b_gc3), [BT, BK])
-        b_c = tl.reshape(tl.where(o_r == BR - 1, 0., b_h - b_lc3), [BT, BK])
-    return tl.exp(b_r), tl.exp(b_c)
+    b_l3 = tl.cumsum(b_g3, axis=1)  # within each block, inclusive
+    b_t = tl.sum(b_g3, axis=1)  # block sums [NB, BK]
+    # Every block's sums over the others, each block holding all NB of them
+    # ([NB, NB, BK], block j's sum at column j): one exchange across the
+    # program, then reductions within each block.
+    o_j = tl.arange(0, NB)[None, :, None]
+    o_i = tl.arange(0, NB)[:, None, None]
+    b_tj = tl.broadcast_to(b_t[None, :, :], [NB, NB, BK])
+    b_tcj = tl.maximum(b_tj, -ANCHOR_CLAMP)
+    b_s = tl.sum(tl.where(o_j < o_i, b_tj, 0.), axis=1)  # the sums of the blocks before each
+    b_p = tl.sum(tl.where(o_j > o_i, b_tj, 0.), axis=1)  # ... and after each
+    b_G = tl.reshape(b_l3 + b_s[:, None, :], [BT, BK])
+    b_S = tl.reshape((b_t[:, None, :] - b_l3) + b_p[:, None, :], [BT, BK])
+    # Level 0: clamped block sums, anchored on the first NB / 2 of them.
+    b_tc = tl.maximum(b_t, -ANCHOR_CLAMP)
+    b_sc = tl.sum(tl.where(o_j < o_i, b_tcj, 0.), axis=1)
+    b_a = tl.sum(tl.where(o_j < NB // 2, b_tcj, 0.), axis=1)
+    b_ro = tl.where(o_b == 0, 0., b_sc - b_a)
+    b_co = tl.where(o_b == NB - 1, 0., b_a - b_sc - b_tc)
+    b_r0 = tl.reshape(b_l3 + b_ro[:, None, :], [BT, BK])
+    b_c0 = tl.reshape(b_t[:, None, :] - b_l3 + b_co[:, None, :], [BT, BK])
+    # Level 1: clamped log-decays within each block, anchored on its row
+    # BR / 2 - 1; a row's own log-decay enters its factor unclamped.
+    b_gc3 = tl.maximum(b_g3, -ANCHOR_CLAMP)
+    b_lc3 = tl.cumsum(b_gc3, axis=1)
+    b_h = tl.sum(tl.where(o_r < BR // 2, b_gc3, 0.), axis=1)[:, None, :]
+    b_r1 = tl.reshape(b_lc3 - b_h + (b_g3 - b_gc3), [BT, BK])
+    b_c1 = tl.reshape(tl.where(o_r == BR - 1, 0., b_h - b_lc3), [BT, BK])
+    return b_G, b_S, b_r0, b_c0, b_r1, b_c1
 
 
 @triton.jit
 def anchored_mask(o_t, LEVEL: tl.constexpr):
-    """[BT, BT]: the pairs of anchored_factors' LEVEL: 0, i's BR-row block
-    after j's; 1, one block and i > j."""
+    """[BT, BT]: the pairs of the two-level products' LEVEL (chunk_exponents):
+    0, i's BR-row block after j's; 1, one block and i > j."""
     b_bi = (o_t // BR)[:, None]
     b_bj = (o_t // BR)[None, :]
     if LEVEL == 0:
@@ -168,14 +186,6 @@ def g_tile(gc, p_tk, m_t, m_k, b_last):
     add no decay)."""
     b_G = tl.load(gc + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.)
     return tl.where(m_t[:, None], b_G, b_last[None, :])
-
-
-@triton.jit
-def suffix_exponent(b_g):
-    """G_last - G_i = sum of the log-decays after row i, from the [BT, BK]
-    log-decays: (reverse cumsum) - g, with error relative to |g_i| + the sum
-    (g_i >= GATE_FLOOR), not to |G|."""
-    return tl.cumsum(b_g, axis=0, reverse=True) - b_g
 
 
 @triton.jit

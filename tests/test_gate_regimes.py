@@ -158,12 +158,12 @@ REGIMES = ["init", "softplus", "layer", "mild", "strong", "floor"]
 def test_products_do_not_depend_on_the_gates(monkeypatch):
     """The forward's prepare kernel and the backward's intra kernel run the
     same products for every gate regime (one two-level path): per chunk and
-    head, one _anchored_products call per K slice in the backward's
-    recompute (Aqk and Akk together; the gradient alone is asked for, so the
+    head, two _anchored_accumulate calls per K slice in the backward's
+    recompute (Aqk's and Akk's; the gradient alone is asked for, so the
     forward's own launch is dead code) and one _anchored_products_bwd call
     per K block."""
     calls = {}
-    _spy(monkeypatch, chunk_fwd, "_anchored_products", calls)
+    _spy(monkeypatch, chunk_fwd, "_anchored_accumulate", calls)
     _spy(monkeypatch, chunk_bwd, "_anchored_products_bwd", calls)
     shape = dict(SHAPE, T=128)  # two full chunks per head, K = 32: one K slice
     counts = {}
@@ -175,7 +175,7 @@ def test_products_do_not_depend_on_the_gates(monkeypatch):
         )(params)
         counts[regime] = dict(calls)
     programs = 2 * shape["H"]  # chunks x heads
-    expected = {"_anchored_products": programs, "_anchored_products_bwd": programs}
+    expected = {"_anchored_accumulate": 2 * programs, "_anchored_products_bwd": programs}
     assert all(c == expected for c in counts.values()), counts
 
 

@@ -244,7 +244,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
 
     n_k = -(-kd // L["kda_bwd_intra_kernel"].constexprs["BK"])
     intra = run(
-        "kda_bwd_intra_kernel", (n_chunks, hv, n_k),
+        "kda_bwd_intra_kernel", (n_chunks * n_k, hv, 1),
         dict(q=q, k=k, g=g, beta=beta, dl=wy["dl"], daqk=wy["daqk"], dq_p=inter["dq"],
              dk_w=wy["dk_w"], dg_w=wy["dg_w"], **by_chunk),
         dict(dq=tk, dk=tk, dg=tk, dbeta_k=sds((tokens, hv, n_k), f32)))
