@@ -152,6 +152,34 @@ def test_stalls_summary_of_an_ncu_source_page(tmp_path, capsys):
     assert "== k_b" in capsys.readouterr().out
 
 
+def test_sass_loops_counts_each_loop_by_its_back_edge():
+    from bench import sass_loops
+
+    sass = "\n".join([
+        '\t//## File "/x/kernels/chunk_fwd.py", line 10',
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_0:",
+        '\t//## File "/x/kernels/common.py", line 99',
+        "        /*0010*/                   SHFL.BFLY PT, R2, R3, 0x1, 0x1f ;",
+        "        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+        "        /*0030*/                   MUFU.EX2 R4, R5 ;",
+        '\t//## File "/x/kernels/chunk_fwd.py", line 12',
+        "        /*0040*/               @P0 BRA `(.L_x_0) ;",
+        "        /*0050*/              @!P1 BRA `(.L_x_1) ;",
+        ".L_x_1:",
+        "        /*0060*/                   EXIT ;"])
+    instrs, loops = sass_loops.parse(sass)
+    assert [op for op, _ in instrs] == ["MOV", "SHFL", "BAR", "MUFU", "BRA", "BRA", "EXIT"]
+    assert loops == [(1, 4)]  # the forward branch to .L_x_1 is no loop
+    s = sass_loops.summarize(sass)
+    assert s["instructions"] == 7
+    assert s["loops"] == [dict(line="chunk_fwd.py:12", count=4, BAR=1, SHFL=1, MUFU=1, HGMMA=0,
+                               LDS=0, STS=0, LDG=0, STG=0)]
+    assert s["straight"]["count"] == 3
+    text = sass_loops.table({".": dict(s, vgprs=40, vgpr_spills=0, occupancy=16)})
+    assert "chunk_fwd.py:12" in text and "BAR 1 SHFL 1 MUFU 1" in text
+
+
 def test_profile_target_runs_a_forward_and_a_gradient():
     from bench import profile_target
 

@@ -1,0 +1,139 @@
+"""Instructions per loop of one compiled kernel, from its sm90 SASS, on the CPU: what one
+iteration of each loop issues per warp (its barriers, shuffles, exponentials and tensor-core
+instructions among them), and the straight-line rest.
+
+    python -m bench.sass_loops KERNEL [--spec main/c64/default] [--tree DIR ...]
+
+KERNEL is one of kda_jax.aot's kernels (kda_fwd_prepare_kernel, kda_bwd_recompute, ...),
+compiled as `python -m kda_jax.aot` compiles it (Triton's bundled ptxas; nvdisasm -g for
+the source lines). Each --tree (a source tree made with `git archive REV kda_jax kernels`)
+is compiled the same way and shown beside the working tree's, so a change's cost per
+iteration is visible before it is timed. A loop is a backward branch; it is named by the
+source line of that branch, and its trip count is the reader's (K / BK for a K-slice loop).
+Counts, not times: where a kernel is latency-bound (one or two programs per SM), the
+instructions and barriers of its loops are its critical path (docs/tuning.md, "The
+prepare's instructions").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+
+# Opcodes shown per loop, besides the total.
+SHOWN = ("BAR", "SHFL", "MUFU", "HGMMA", "LDS", "STS", "LDG", "STG")
+
+_COMPILE = r"""
+import json, os, subprocess, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from kda_jax import aot
+kernel, spec_name, out = sys.argv[1:4]
+captured = {}
+compile_ = triton.compile
+def keep(*a, **k):
+    captured["c"] = compile_(*a, **k)
+    return captured["c"]
+triton.compile = keep
+spec = {s.name: s for s in aot.SPECS}[spec_name]
+row = aot.compile_one(kernel, "sm90", spec)
+c = captured.get("c")
+if c is not None:
+    open(out + ".cubin", "wb").write(c.asm["cubin"])
+    from triton.backends.nvidia import compiler
+    tool = os.path.join(os.path.dirname(compiler.__file__), "bin", "nvdisasm")
+    sass = subprocess.run([tool, "-c", "-g", out + ".cubin"], capture_output=True, text=True)
+    open(out + ".sass", "w").write(sass.stdout)
+json.dump({k: row[k] for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", "error")},
+          open(out + ".json", "w"))
+"""
+
+
+def parse(sass: str) -> tuple[list[tuple[str, str]], list[tuple[int, int]]]:
+    """(instructions as (opcode, source line "file:line"), loops as (first, last) indices
+    into them, one per backward branch)."""
+    labels, instrs, where = {}, [], "?"
+    for line in sass.splitlines():
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(instrs)
+            continue
+        m = re.search(r'## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
+        if m:
+            instrs.append((m.group(1), where, m.group(2)))
+    loops = []
+    for n, (op, _, rest) in enumerate(instrs):
+        target = re.search(r"\((\.L_x_\d+)\)", rest) if op == "BRA" else None
+        if target and labels.get(target.group(1), n + 1) <= n:
+            loops.append((labels[target.group(1)], n))
+    return [(op, w) for op, w, _ in instrs], loops
+
+
+def summarize(sass: str) -> dict:
+    """Per loop (by its back edge's source line) and for the straight-line rest: the
+    instruction count and the SHOWN opcodes' counts, per warp and iteration."""
+    instrs, loops = parse(sass)
+    inner = set()
+    out = {"instructions": len(instrs), "loops": []}
+    for first, last in loops:
+        ops = collections.Counter(op for op, _ in instrs[first:last + 1])
+        out["loops"].append(dict(line=instrs[last][1], count=last - first + 1,
+                                 **{k: ops[k] for k in SHOWN}))
+        inner.update(range(first, last + 1))
+    rest = collections.Counter(op for n, (op, _) in enumerate(instrs) if n not in inner)
+    out["straight"] = dict(count=sum(rest.values()), **{k: rest[k] for k in SHOWN})
+    return out
+
+
+def compile_tree(tree: str, kernel: str, spec: str, out: str) -> dict:
+    """Compiles ``kernel`` of the source tree at ``tree`` in a child process (so its
+    kda_jax is the one imported); returns summarize()'s dict plus the compile's registers,
+    spills and occupancy."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    subprocess.run([sys.executable, "-c", _COMPILE, kernel, spec, out], env=env, check=True,
+                   cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
+    row = json.load(open(out + ".json"))
+    if row.get("error") and not os.path.exists(out + ".sass"):
+        raise RuntimeError(f"{tree}: {kernel} did not compile: {row['error']}")
+    return {**row, **summarize(open(out + ".sass").read())}
+
+
+def table(results: dict[str, dict]) -> str:
+    """Side-by-side lines, one per tree and loop."""
+    lines = []
+    for name, r in results.items():
+        lines.append(f"{name}: {r['instructions']} instructions, {r['vgprs']} registers, "
+                     f"{r['vgpr_spills']} bytes spilled, occupancy {r['occupancy']} warps")
+        for loop in r["loops"] + [dict(line="(straight-line)", **r["straight"])]:
+            shown = " ".join(f"{k} {loop[k]}" for k in SHOWN if loop[k])
+            lines.append(f"  {loop['line']:24s} {loop['count']:6d}  {shown}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("kernel")
+    p.add_argument("--spec", default="main/c64/default")
+    p.add_argument("--tree", action="append", default=[],
+                   help="another source tree to compile beside the working tree")
+    p.add_argument("--out", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "sass_loops"))
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    for i, tree in enumerate(["."] + args.tree):
+        results[tree] = compile_tree(tree, args.kernel, args.spec,
+                                     os.path.join(args.out, f"{args.kernel}-{i}"))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
