@@ -167,11 +167,14 @@ FORWARD = {
         state_block_v_fp32=32, state_warps_fp32=2, state_stages_fp32=1),
     # gfx950's entry (the same wave64 CU, CDNA3, with 64 KiB of LDS) but for
     # the prepare kernel at 8 waves (at 4 it spilled 2 VGPRs with every
-    # transform on) and the float32 state tiles: [K, 16] at 4 waves, since
+    # transform on) in one pass for 16-bit inputs (occupancy 2 either way),
+    # in a pass each for float32 ones (in one, 4 VGPRs spill at K = 128 with
+    # every transform on), and the float32 state tiles: [K, 16] at 4 waves, since
     # bf16x3 products of [K, 32] at 2 waves take 277 VGPRs and halve the
     # occupancy.
     "gfx942": ForwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
+        prepare_split_fp32=True,
         prepare_dot="bf16x3", prepare_wu_dot="bf16", inverse_dot="bf16x3", fp32_dot="bf16x3",
         state_block_v=32, state_warps=2, state_stages=2,
         state_block_v_wide=32, state_warps_wide=2,
@@ -558,6 +561,7 @@ BACKWARD = {
     # blocks as gfx950's (32-wide ones hold 619 VGPRs at chunk 64).
     "gfx1250": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
+        prepare_split=True,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
@@ -578,14 +582,15 @@ BACKWARD = {
         gate_fp32_max_k=256),
 }
 BACKWARD_C32 = {
-    # 32-wide recompute slices at 8 warps (4 warps or 64-wide float32 slices
-    # spilled with the dyadic products' float64 cumsum; not re-tuned since)
-    # and 16-wide inter blocks, where the
+    # 32-wide recompute slices at 8 warps, Aqk and Akk in a pass each (in
+    # one, the two levels' four accumulators spill 32-68 bytes under Triton
+    # 3.9; untimed) and 16-wide inter blocks, where the
     # chunk-64 entry spills under ptxas's register caps at chunk 32; dS in
     # one tile; the in-kernel gate's float32 intermediates up to K = 64 (the
     # float32 state passes spill 8-64 bytes at K = 100).
     "sm90": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
+        prepare_split=True,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,

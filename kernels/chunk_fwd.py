@@ -93,25 +93,36 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _anchored_accumulate(b_x0, b_x1, b_a, b_k, b_e0, b_y0, b_e1, b_y1, DOT: tl.constexpr):
-    """The two levels' products of one K slice (docs/kda.md section 3),
-    accumulated unmasked: b_x0 + (a R0) (k C0)^T and b_x1 + (a R1) (k C1)^T
-    ([BT, BT]), b_a, b_k [BT, BK], b_e0 = R0 and b_e1 = R1 the row factors,
-    b_y0 = (k C0)^T and b_y1 = (k C1)^T the column operands [BK, BT] (shared
-    by Aqk and Akk). Each level's mask applies once, after the last slice
-    (_anchored_combine): its factors are finite on every pair, at most e^60
-    each (common.chunk_exponents)."""
-    b_x0 = dot(b_a * b_e0, b_y0, DOT, b_x0)
-    b_x1 = dot(b_a * b_e1, b_y1, DOT, b_x1)
+def _anchored_accumulate(b_x0, b_x1, b_a, b_k, b_e0, b_y0, b_e1, b_y1, o_t, DOT: tl.constexpr,
+                         MASKED: tl.constexpr):
+    """The two levels' products of one K slice (docs/kda.md section 3): b_a,
+    b_k [BT, BK], b_e0 = R0 and b_e1 = R1 the row factors, b_y0 = (k C0)^T
+    and b_y1 = (k C1)^T the column operands [BK, BT] (shared by Aqk and
+    Akk). Every factor is finite on every pair (at most e^60,
+    common.chunk_exponents), so by default each level accumulates unmasked,
+    b_x0 + (a R0) (k C0)^T and b_x1 + (a R1) (k C1)^T ([BT, BT]), and its mask
+    applies once, after the last slice (_anchored_combine). MASKED: both
+    levels go masked into b_x0 at every slice (one [BT, BT] accumulator
+    instead of two: fewer registers, more instructions; b_x1 unused)."""
+    if MASKED:
+        b_x0 += tl.where(anchored_mask(o_t, 0), dot(b_a * b_e0, b_y0, DOT), 0.)
+        b_x0 += tl.where(anchored_mask(o_t, 1), dot(b_a * b_e1, b_y1, DOT), 0.)
+    else:
+        b_x0 = dot(b_a * b_e0, b_y0, DOT, b_x0)
+        b_x1 = dot(b_a * b_e1, b_y1, DOT, b_x1)
     return b_x0, b_x1
 
 
 @triton.jit
-def _anchored_combine(b_x0, b_x1, o_t):
+def _anchored_combine(b_x0, b_x1, o_t, MASKED: tl.constexpr):
     """a_i . k_j e^(G_i - G_j) for every j < i ([BT, BT], 0 elsewhere) from
-    the two levels' accumulated products: each on its own pairs."""
-    return (tl.where(anchored_mask(o_t, 0), b_x0, 0.)
-            + tl.where(anchored_mask(o_t, 1), b_x1, 0.))
+    _anchored_accumulate's accumulators: each level on its own pairs (with
+    MASKED, b_x0 already is)."""
+    if MASKED:
+        return b_x0
+    else:
+        return (tl.where(anchored_mask(o_t, 0), b_x0, 0.)
+                + tl.where(anchored_mask(o_t, 1), b_x1, 0.))
 
 
 # Diagonal block of the blocked inverse: a sweep of BB - 1 steps inverts all of
@@ -222,8 +233,10 @@ def kda_fwd_prepare_kernel(
     # exponent is a sum of log-decays within a block plus (clamped, for the
     # products) block sums (common.chunk_exponents), not a difference of G:
     # its rounding is relative to itself, however deep the chunk's decay.
-    # Each level's products accumulate unmasked over the slices, and its
-    # mask applies once at the end (_anchored_combine).
+    # In one pass, each level's products accumulate unmasked over the slices
+    # and its mask applies once at the end; the split passes mask every
+    # slice into one accumulator per matrix (fewer registers;
+    # _anchored_accumulate).
     # Non-finite entries of k are zeroed like the others (_tile_checked): the
     # rows from the first poisoning row on are NaN'ed at the end.
     p_hk = i_hv * K
@@ -260,10 +273,10 @@ def kda_fwd_prepare_kernel(
         b_y0 = tl.trans(b_k * tl.exp(b_c0))
         b_y1 = tl.trans(b_k * tl.exp(b_c1))
         b_aqk0, b_aqk1 = _anchored_accumulate(b_aqk0, b_aqk1, b_q, b_k, b_e0, b_y0, b_e1, b_y1,
-                                              DOT_A)
+                                              o_t, DOT_A, SPLIT_PASSES)
         if not SPLIT_PASSES:
             b_akk0, b_akk1 = _anchored_accumulate(b_akk0, b_akk1, b_k, b_k, b_e0, b_y0, b_e1,
-                                                  b_y1, DOT_A)
+                                                  b_y1, o_t, DOT_A, SPLIT_PASSES)
         b_qk += b_q * b_k
         b_eG = tl.exp(b_G)
         # exp(G_last): G's last row (rows past the sequence repeat it).
@@ -273,7 +286,7 @@ def kda_fwd_prepare_kernel(
         tl.store(kt + p_tk, (b_k * tl.exp(b_S)).to(kt.dtype.element_ty), mask=m_tk)
         tl.store(w + p_tk, (b_k * b_b[:, None] * b_eG).to(w.dtype.element_ty), mask=m_tk)
     # Aqk, scaled, its diagonal exact (q_i . k_i), zero above it.
-    b_aqk = _anchored_combine(b_aqk0, b_aqk1, o_t)
+    b_aqk = _anchored_combine(b_aqk0, b_aqk1, o_t, SPLIT_PASSES)
     b_poison = b_poison | _bad_rows(b_bad_tk)
     b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_qk, axis=1)[:, None], 0.)
     b_aqk = b_aqk * SCALE
@@ -303,14 +316,14 @@ def kda_fwd_prepare_kernel(
             b_G, _, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
             b_akk0, b_akk1 = _anchored_accumulate(
                 b_akk0, b_akk1, b_k, b_k, tl.exp(b_r0), tl.trans(b_k * tl.exp(b_c0)),
-                tl.exp(b_r1), tl.trans(b_k * tl.exp(b_c1)), DOT_A)
+                tl.exp(b_r1), tl.trans(b_k * tl.exp(b_c1)), o_t, DOT_A, SPLIT_PASSES)
             if STORE_X:
                 if USE_GATE:
                     tl.debug_barrier()  # every read of the slice before any write over it
                 tl.store(gc + p_tk, b_G, mask=m_tk)
 
     # X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
-    b_l = _anchored_combine(b_akk0, b_akk1, o_t) * b_b[:, None]
+    b_l = _anchored_combine(b_akk0, b_akk1, o_t, SPLIT_PASSES) * b_b[:, None]
     b_x = _unit_lower_inverse(b_l, o_t, BT, DOT_INV)
     if STORE_X:
         tl.store(x + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :], tl.trans(b_x),

@@ -109,12 +109,15 @@ def chunk_exponents(b_g):
     b_p = tl.sum(tl.where(o_j > o_i, b_tj, 0.), axis=1)  # ... and after each
     b_G = tl.reshape(b_l3 + b_s[:, None, :], [BT, BK])
     b_S = tl.reshape((b_t[:, None, :] - b_l3) + b_p[:, None, :], [BT, BK])
-    # Level 0: clamped block sums, anchored on the first NB / 2 of them.
+    # Level 0: clamped block sums, anchored on the boundary after the first
+    # NB / 2 blocks: b_d = (clamped G at block i's start) - (at the anchor),
+    # the clamped sums of the blocks between them, with sign.
     b_tc = tl.maximum(b_t, -ANCHOR_CLAMP)
-    b_sc = tl.sum(tl.where(o_j < o_i, b_tcj, 0.), axis=1)
-    b_a = tl.sum(tl.where(o_j < NB // 2, b_tcj, 0.), axis=1)
-    b_ro = tl.where(o_b == 0, 0., b_sc - b_a)
-    b_co = tl.where(o_b == NB - 1, 0., b_a - b_sc - b_tc)
+    m_a = o_j < NB // 2
+    b_d = tl.sum(tl.where(o_j < o_i, tl.where(m_a, 0., b_tcj), tl.where(m_a, -b_tcj, 0.)),
+                 axis=1)
+    b_ro = tl.where(o_b == 0, 0., b_d)
+    b_co = tl.where(o_b == NB - 1, 0., -b_d - b_tc)
     b_r0 = tl.reshape(b_l3 + b_ro[:, None, :], [BT, BK])
     b_c0 = tl.reshape(b_t[:, None, :] - b_l3 + b_co[:, None, :], [BT, BK])
     # Level 1: clamped log-decays within each block, anchored on its row
