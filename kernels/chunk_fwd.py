@@ -93,17 +93,18 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 
 @triton.jit
-def _anchored_accumulate(b_x0, b_x1, b_a, b_k, b_e0, b_y0, b_e1, b_y1, o_t, DOT: tl.constexpr,
+def _anchored_accumulate(b_x0, b_x1, b_a, b_e0, b_y0, b_e1, b_y1, o_t, DOT: tl.constexpr,
                          MASKED: tl.constexpr):
-    """The two levels' products of one K slice (docs/kda.md section 3): b_a,
-    b_k [BT, BK], b_e0 = R0 and b_e1 = R1 the row factors, b_y0 = (k C0)^T
-    and b_y1 = (k C1)^T the column operands [BK, BT] (shared by Aqk and
-    Akk). Every factor is finite on every pair (at most e^60,
-    common.chunk_exponents), so by default each level accumulates unmasked,
-    b_x0 + (a R0) (k C0)^T and b_x1 + (a R1) (k C1)^T ([BT, BT]), and its mask
-    applies once, after the last slice (_anchored_combine). MASKED: both
-    levels go masked into b_x0 at every slice (one [BT, BT] accumulator
-    instead of two: fewer registers, more instructions; b_x1 unused)."""
+    """The two levels' products of one K slice (docs/kda.md section 3): b_a
+    [BT, BK] the row operand (q for Aqk, k for Akk), b_e0 = R0 and b_e1 =
+    R1 its factors, b_y0 = (k C0)^T and b_y1 = (k C1)^T the column operands
+    [BK, BT] (shared by Aqk and Akk). Every factor is finite on every pair
+    (at most e^60, common.chunk_exponents), so by default each level
+    accumulates unmasked, b_x0 + (a R0) (k C0)^T and b_x1 + (a R1) (k C1)^T
+    ([BT, BT]), and its mask applies once, after the last slice
+    (_anchored_combine). MASKED: both levels go masked into b_x0 at every
+    slice (one [BT, BT] accumulator instead of two: fewer registers, more
+    instructions; b_x1 unused)."""
     if MASKED:
         b_x0 += tl.where(anchored_mask(o_t, 0), dot(b_a * b_e0, b_y0, DOT), 0.)
         b_x0 += tl.where(anchored_mask(o_t, 1), dot(b_a * b_e1, b_y1, DOT), 0.)
@@ -272,11 +273,11 @@ def kda_fwd_prepare_kernel(
         b_e1 = tl.exp(b_r1)
         b_y0 = tl.trans(b_k * tl.exp(b_c0))
         b_y1 = tl.trans(b_k * tl.exp(b_c1))
-        b_aqk0, b_aqk1 = _anchored_accumulate(b_aqk0, b_aqk1, b_q, b_k, b_e0, b_y0, b_e1, b_y1,
-                                              o_t, DOT_A, SPLIT_PASSES)
+        b_aqk0, b_aqk1 = _anchored_accumulate(b_aqk0, b_aqk1, b_q, b_e0, b_y0, b_e1, b_y1, o_t,
+                                              DOT_A, SPLIT_PASSES)
         if not SPLIT_PASSES:
-            b_akk0, b_akk1 = _anchored_accumulate(b_akk0, b_akk1, b_k, b_k, b_e0, b_y0, b_e1,
-                                                  b_y1, o_t, DOT_A, SPLIT_PASSES)
+            b_akk0, b_akk1 = _anchored_accumulate(b_akk0, b_akk1, b_k, b_e0, b_y0, b_e1, b_y1,
+                                                  o_t, DOT_A, SPLIT_PASSES)
         b_qk += b_q * b_k
         b_eG = tl.exp(b_G)
         # exp(G_last): G's last row (rows past the sequence repeat it).
@@ -315,7 +316,7 @@ def kda_fwd_prepare_kernel(
             b_k = b_k * b_sk[:, None]
             b_G, _, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
             b_akk0, b_akk1 = _anchored_accumulate(
-                b_akk0, b_akk1, b_k, b_k, tl.exp(b_r0), tl.trans(b_k * tl.exp(b_c0)),
+                b_akk0, b_akk1, b_k, tl.exp(b_r0), tl.trans(b_k * tl.exp(b_c0)),
                 tl.exp(b_r1), tl.trans(b_k * tl.exp(b_c1)), o_t, DOT_A, SPLIT_PASSES)
             if STORE_X:
                 if USE_GATE:
