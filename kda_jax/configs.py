@@ -528,8 +528,8 @@ BACKWARD = {
     # the inter kernel (bf16x6 there halves occupancy or spills, for little
     # matrix work), and the wy kernel's float32 form as on sm90. gfx950: 2
     # waves of 64 for the state passes, whose float32 form takes one stage to
-    # fit 160 KiB of LDS; 16-wide intra K blocks (sm90's), where 32-wide ones
-    # under bf16x3 hold 264-352 VGPRs, one wave per SIMD.
+    # fit 160 KiB of LDS; 16-wide intra K blocks, where 32-wide ones under
+    # bf16x3 hold 264-352 VGPRs, one wave per SIMD.
     "gfx950": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
