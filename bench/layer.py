@@ -211,12 +211,14 @@ def our_timings(config: dict, implementation, tokens: int, decode_seqs: int, ite
     cache = lambda: layer.init_cache(decode_seqs, dtype=jnp.bfloat16)
     state["dense"] = cache()
     state["pool"] = cache().at(jnp.arange(decode_seqs, dtype=jnp.int32))
-    return {
-        "forward": timed(lambda: forward(params, x)),
-        "forward+backward": timed(lambda: forward_backward(params, x, dy)),
-        "decode step": timed(step("dense")),
-        "decode step, pool": timed(step("pool")),
-    }
+    calls = {"forward": lambda: forward(params, x),
+             "forward+backward": lambda: forward_backward(params, x, dy),
+             "decode step": step("dense"), "decode step, pool": step("pool")}
+    rows = {}
+    for what, call in calls.items():  # each row printed as it lands
+        rows[what] = timed(call)
+        _progress(f"ours: {what} {rows[what]:.3f} ms")
+    return rows
 
 
 def fla_timings(fla: FlaPeer, config: dict, tokens: int, decode_seqs: int, iters: int,
@@ -229,6 +231,7 @@ def fla_timings(fla: FlaPeer, config: dict, tokens: int, decode_seqs: int, iters
                             "decode_seqs": decode_seqs, "iters": iters, "repeats": repeats}):
             if "row" in msg:
                 rows[msg["row"]["what"]] = msg["row"]
+                _progress(f"fla: {msg['row']['what']} {msg['row'].get('ms')} ms")
             else:
                 print(f"fla timing: {msg}", file=sys.stderr)
                 ok = False

@@ -3,8 +3,14 @@
 #
 #   bash bench/run_gpu.sh [STAGE...]        (no stage: tests forward backward serving decode plot)
 #
-#   tests     the Triton test tiers natively (forward, decode, pool, bucketed, gradients,
-#             gate regimes, verify, checkpoints, 16-bit pool drift)
+#   tests     the GPU test tiers natively, in three stages that each run alone as well:
+#     tests-1   forward and decode (Triton forward, decode kernel, forward-only forms, extreme
+#               gates, non-finite inputs)
+#     tests-2   serving (state pools, bucketed batches, pool indices, verify, checkpoints,
+#               16-bit pool drift)
+#     tests-3   gradients (Triton backward, gate regimes, the training example)
+#             each under pytest-xdist with TEST_WORKERS processes (default 8: Triton's compiles,
+#             which dominate, run side by side), its log in $OUT/pytest-<stage>.log
 #   forward   bench.forward over SHAPES (default the dense sweep) at every regime of GATES, then
 #             the serving batch (varlen): $OUT/forward.json, $OUT/forward-varlen.json
 #   backward  bench.backward (forward + backward), the same rows: $OUT/backward.json
@@ -40,6 +46,7 @@
 #               and backward sweeps also time, as implementation "tree:DIR" (bench/sweep.py)
 #   SHAPES      "B,T,H;B,T,H": these rows instead of the dense sweep (forward, backward)
 #   ROUNDS      bench.decode's alternating rounds (default 6)
+#   TEST_WORKERS  pytest-xdist processes of the test stages (default 8; 0: none)
 #   TIMEOUT     seconds per stage (default 900). fla's first call per shape autotunes for
 #               minutes; Triton keeps the results in its cache (TRITON_CACHE_DIR, default
 #               ~/.triton/cache), so a second run is much faster.
@@ -77,18 +84,31 @@ layer_gates=${LAYER_GATES:-softplus safe}
 serving_lengths=$(python3 -c 'from kda_jax.testing import SERVING_LENGTHS as s; print(",".join(map(str, s)))')
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests forward backward serving decode plot)
+expanded=()
+for stage in "${stages[@]}"; do
+  if [ "$stage" = tests ]; then expanded+=(tests-1 tests-2 tests-3); else expanded+=("$stage"); fi
+done
+stages=("${expanded[@]}")
+workers=${TEST_WORKERS:-8}
+declare -A test_files=(
+  [tests-1]="tests/test_triton_forward.py tests/test_triton_recurrent.py tests/test_forward_only.py
+             tests/test_gate_extremes.py tests/test_nonfinite.py"
+  [tests-2]="tests/test_state_pool.py tests/test_bucketed.py tests/test_pool_indices.py
+             tests/test_verify.py tests/test_checkpoints.py tests/test_pool_drift.py"
+  [tests-3]="tests/test_triton_grad.py tests/test_gate_regimes.py tests/test_example_train.py"
+)
 
 for stage in "${stages[@]}"; do
   echo "== $stage"
   case "$stage" in
-    tests)
-      timeout "$limit" python3 -m pytest tests/test_triton_forward.py tests/test_triton_recurrent.py \
-        tests/test_state_pool.py tests/test_bucketed.py tests/test_triton_grad.py \
-        tests/test_gate_extremes.py tests/test_nonfinite.py tests/test_forward_only.py \
-        tests/test_pool_indices.py tests/test_example_train.py tests/test_gate_regimes.py \
-        tests/test_verify.py tests/test_checkpoints.py tests/test_pool_drift.py \
-        -q -ra -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
-      tail -25 "$OUT/pytest_gpu.log" ;;
+    tests-1|tests-2|tests-3)
+      xdist=()
+      [ "$workers" -gt 0 ] && xdist=(-n "$workers")
+      # shellcheck disable=SC2086  # the file list splits on purpose
+      timeout "$limit" python3 -m pytest ${test_files[$stage]} "${xdist[@]}" -q -ra \
+        -p no:cacheprovider > "$OUT/pytest-$stage.log" 2>&1
+      echo "exit $? after $SECONDS s"
+      tail -25 "$OUT/pytest-$stage.log" ;;
     forward)
       timeout "$limit" python3 -m bench.forward --impls "$impls" --gates "$gates" \
         ${SHAPES:+--shapes "$SHAPES"} --json "$OUT/forward.json" 2>&1 | tee "$OUT/forward.log" \

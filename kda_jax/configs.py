@@ -325,6 +325,7 @@ class RecurrentConfig:
             raise ValueError(f"stages={self.stages!r} must be >= 1")
 
 
+
 # A [128, 32] fp32 tile over 128 lanes is 32 values per lane (64 at K = 256).
 # One sentence each on why; measurements in docs/tuning.md ("Decode").
 RECURRENT = {
@@ -413,12 +414,20 @@ class BackwardConfig:
     head and V block):
     state_block_v: their V block.
     state_warps / state_warps_wide: their warps at K <= 128 / past it.
-    state_stages / state_stages_fp32: their stages at K <= 128 with 16-bit /
-      float32 intermediates (past K = 128 one stage: two outgrow shared
-      memory, as in the forward).
+    state_stages / state_stages_fp32: the forward pass's stages at K <= 128
+      with 16-bit / float32 intermediates (past K = 128 one stage: two
+      outgrow shared memory, as in the forward).
+    dstate_stages / dstate_stages_fp32: the reverse pass's, likewise (it
+      pipelines five tiles to the forward pass's three, so each stage costs
+      it more shared memory). Both in one launch take the fewer of the two.
     dstate_split_k: the reverse pass holds dS as two K halves where the
       state passes hold the state so (float32 intermediates, K > 64:
       kda_jax.triton.forward.split_state_k); False keeps one [K, BV] tile.
+    state_passes_fused / state_passes_fused_fp32: with 16-bit / float32
+      intermediates, both passes in one launch of twice the programs
+      (kda_bwd_state_passes_kernel; they are independent, and each alone
+      leaves most of a GPU's issue slots idle at small grids); False: a
+      launch each. The segmented passes launch apart either way.
 
     The per-chunk kernels:
     inter_block_k / inter_block_v / inter_block_v_fp32 / inter_warps: the
@@ -463,7 +472,11 @@ class BackwardConfig:
     state_warps_wide: int = 4
     state_stages: int = 2
     state_stages_fp32: int = 2
+    dstate_stages: int = 2
+    dstate_stages_fp32: int = 2
     dstate_split_k: bool = True
+    state_passes_fused: bool = False
+    state_passes_fused_fp32: bool = False
     inter_block_k: int = 64
     inter_block_v: int = 64
     inter_block_v_fp32: int = 64
@@ -486,12 +499,14 @@ class BackwardConfig:
                           "wy_block_v", "intra_block_k"),
             warps=("prepare_warps", "state_warps", "state_warps_wide", "inter_warps",
                    "wy_warps", "intra_warps"),
-            stages=("prepare_stages", "state_stages", "state_stages_fp32"),
+            stages=("prepare_stages", "state_stages", "state_stages_fp32", "dstate_stages",
+                    "dstate_stages_fp32"),
             dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "prepare_dot_fp32", "wy_dot",
                   "wy_dot_fp32", "product_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
-        for name in ("dstate_split_k", "prepare_split"):
+        for name in ("dstate_split_k", "prepare_split", "state_passes_fused",
+                     "state_passes_fused_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if (not isinstance(self.gate_fp32_max_k, int) or isinstance(self.gate_fp32_max_k, bool)
@@ -511,14 +526,17 @@ BACKWARD = {
     # 64-wide ones spill); the largest wy blocks
     # that compile without spills at every spec; the in-kernel gate's float32
     # intermediates up to K = 128 (at K = 256 the float32 state passes spill
-    # over a KiB).
+    # over a KiB); the state passes a launch each at two stages (one launch,
+    # or the reverse pass at one stage, measured no faster: docs/tuning.md).
     "sm90": BackwardConfig(
         prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
         prepare_split=True,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
-        state_stages_fp32=2, dstate_split_k=True,
+        state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
+        dstate_split_k=True, state_passes_fused=False,
+        state_passes_fused_fp32=False,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=32, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
@@ -535,7 +553,9 @@ BACKWARD = {
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=2, state_warps_wide=2, state_stages=2,
-        state_stages_fp32=1, dstate_split_k=True,
+        state_stages_fp32=1, dstate_stages=2, dstate_stages_fp32=1,
+        dstate_split_k=True, state_passes_fused=False,
+        state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
@@ -550,7 +570,9 @@ BACKWARD = {
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=1,
-        state_stages_fp32=1, dstate_split_k=True,
+        state_stages_fp32=1, dstate_stages=1, dstate_stages_fp32=1,
+        dstate_split_k=True, state_passes_fused=False,
+        state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="ieee",
@@ -565,7 +587,9 @@ BACKWARD = {
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
-        state_stages_fp32=2, dstate_split_k=True,
+        state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
+        dstate_split_k=True, state_passes_fused=False,
+        state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=64, wy_warps=16, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
@@ -575,7 +599,9 @@ BACKWARD = {
         prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
         prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
-        state_stages_fp32=2, dstate_split_k=True,
+        state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
+        dstate_split_k=True, state_passes_fused=False,
+        state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
         intra_block_k=32, intra_warps=4, product_dot="ieee", fp32_dot="ieee",
@@ -594,7 +620,9 @@ BACKWARD_C32 = {
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
-        state_stages_fp32=2, dstate_split_k=False,
+        state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
+        dstate_split_k=False, state_passes_fused=False,
+        state_passes_fused_fp32=False,
         inter_block_k=16, inter_block_v=16, inter_block_v_fp32=16, inter_warps=4,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",

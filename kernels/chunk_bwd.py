@@ -25,6 +25,8 @@ STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl, G and X^T. Then:
   kda_bwd_dstate_kernel   grid (sequences, HV, V blocks): walks chunks in
                           reverse: dS per chunk, dv_new, the initial state's
                           gradient (only that without STORE_CHUNKS).
+  (Or both in one launch, kda_bwd_state_passes_kernel, grid (2 x sequences,
+  HV, V blocks): the reverse pass reads no state, so the two are independent.)
   (Segmented, kda_jax.triton.state_chain: both state passes per segment, the
   reverse one twice, and the segments' bounds as the sequences.)
   kda_bwd_inter_kernel    grid (chunks, HV, K blocks): the state terms dqg,
@@ -72,15 +74,16 @@ def _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT: tl.constexpr, HV: tl.c
 
 
 @triton.jit
-def _seq_program(meta, off_cu, off_co, n_tokens, n_chunk_rows, V: tl.constexpr,
+def _seq_program(i_n, meta, off_cu, off_co, n_tokens, n_chunk_rows, V: tl.constexpr,
                  BT: tl.constexpr, BV: tl.constexpr):
-    """A state pass's program (sequence, value head, V block): (i_n, i_hv,
-    bos, eos, its first chunk row c0, n_chunks, o_v, o_t, m_v)."""
-    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """A state pass's program for sequence i_n (grid axes 1 and 2: value
+    head, V block): (i_hv, bos, eos, its first chunk row c0, n_chunks, o_v,
+    o_t, m_v)."""
+    i_hv, i_v = tl.program_id(1), tl.program_id(2)
     bos, eos = seq_span(meta, off_cu, i_n, n_tokens)
     c0, n_chunks = seq_chunks(meta, off_co, i_n, bos, eos, n_chunk_rows, BT)
     o_v = i_v * BV + tl.arange(0, BV)
-    return i_n, i_hv, bos, eos, c0, n_chunks, o_v, tl.arange(0, BT), o_v < V
+    return i_hv, bos, eos, c0, n_chunks, o_v, tl.arange(0, BT), o_v < V
 
 
 @triton.jit
@@ -111,8 +114,21 @@ def kda_bwd_state_kernel(
     """The forward state pass again, storing the state at each chunk's start
     (h, fp32) and v_new; one program per (sequence, value head, V block).
     SPLIT_K: the state is two [BK, BV] tiles, as the forward's."""
-    i_n, i_hv, bos, eos, c0, n_chunks, o_v, o_t, m_v = _seq_program(
-        meta, off_cu, off_co, n_tokens, n_chunk_rows, V, BT, BV)
+    _state_pass(w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows, h, vn,
+                tl.program_id(0), HV, K, V, BT, BK, BV, USE_INITIAL_STATE, STATE_V_FIRST, DOT,
+                SPLIT_K)
+
+
+@triton.jit
+def _state_pass(
+    w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows, h, vn, i_n,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """kda_bwd_state_kernel's body for sequence i_n."""
+    i_hv, bos, eos, c0, n_chunks, o_v, o_t, m_v = _seq_program(
+        i_n, meta, off_cu, off_co, n_tokens, n_chunk_rows, V, BT, BV)
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     b_h = load_state(h0, h0, 0, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV, USE_INITIAL_STATE,
                      False)
@@ -167,8 +183,23 @@ def kda_bwd_dstate_kernel(
     [BK, BV] tiles, as the forward's state. Without STORE_CHUNKS only the
     initial state's gradient is stored (a segment's own contribution,
     kda_jax.triton.state_chain)."""
-    i_n, i_hv, bos, eos, c0, n_chunks, o_v, o_t, m_v = _seq_program(
-        meta, off_cu, off_co, n_tokens, n_chunk_rows, V, BT, BV)
+    _dstate_pass(qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co, n_tokens, n_chunk_rows,
+                 dh, dvn, dh0, tl.program_id(0), HV, K, V, BT, BK, BV, USE_FINAL_GRAD,
+                 STORE_INITIAL_GRAD, STATE_V_FIRST, DOT, SPLIT_K, STORE_CHUNKS)
+
+
+@triton.jit
+def _dstate_pass(
+    qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co, n_tokens, n_chunk_rows,
+    dh, dvn, dh0, i_n,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
+    STORE_INITIAL_GRAD: tl.constexpr, STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr, STORE_CHUNKS: tl.constexpr,
+):
+    """kda_bwd_dstate_kernel's body for sequence i_n."""
+    i_hv, bos, eos, c0, n_chunks, o_v, o_t, m_v = _seq_program(
+        i_n, meta, off_cu, off_co, n_tokens, n_chunk_rows, V, BT, BV)
     o_k, m_k, o_s, m_kv = state_offsets(o_v, m_v, K, V, BK, STATE_V_FIRST)
     # The final state's cotangent, laid out as the states are.
     b_dh = load_state(dht, dht, 0, i_n, i_hv, o_s, m_kv, HV, K, V, BK, BV, USE_FINAL_GRAD,
@@ -242,6 +273,35 @@ def kda_bwd_dstate_kernel(
     if SPLIT_K:
         store_state(dh0 + shift, b_dh1, dh0, 0, i_n, i_hv, o_s, m_kv1, HV, K, V,
                     STORE_INITIAL_GRAD, False)
+
+
+@triton.jit
+def kda_bwd_state_passes_kernel(
+    w, u, qg, kt, aqk, gl, do, h0, dht, meta, off_cu, off_co, n_seqs, n_tokens, n_chunk_rows,
+    h, vn, dh, dvn, dh0,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BK_REV: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
+    STORE_INITIAL_GRAD: tl.constexpr, STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_K_REV: tl.constexpr,
+):
+    """Both state passes in one launch, grid (2 x sequences, HV, V blocks):
+    they are independent (the reverse pass reads no state), and each alone
+    fills a small grid (sequences x HV x V blocks programs, each walking its
+    sequence's chunks one after another), so side by side they share the
+    SMs' latency. Program p < n_seqs runs the reverse pass of sequence p
+    (kda_bwd_dstate_kernel, STORE_CHUNKS on; BK_REV, SPLIT_K_REV), program
+    n_seqs + p the forward pass of sequence p (kda_bwd_state_kernel; BK,
+    SPLIT_K); grid axis 0 varies fastest, so the two kinds interleave."""
+    i_p = tl.program_id(0)
+    if i_p < n_seqs:
+        _dstate_pass(qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co, n_tokens,
+                     n_chunk_rows, dh, dvn, dh0, i_p, HV, K, V, BT, BK_REV, BV, USE_FINAL_GRAD,
+                     STORE_INITIAL_GRAD, STATE_V_FIRST, DOT, SPLIT_K_REV, True)
+    else:
+        _state_pass(w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows, h, vn,
+                    i_p - n_seqs, HV, K, V, BT, BK, BV, USE_INITIAL_STATE, STATE_V_FIRST, DOT,
+                    SPLIT_K)
 
 
 @triton.jit

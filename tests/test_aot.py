@@ -229,14 +229,23 @@ def test_committed_summary_lists_every_kernel_and_target():
 
     path = pathlib.Path(__file__).parent.parent / "bench" / "results" / "aot-summary.json"
     s = json.loads(path.read_text())
-    assert set(s["kernels"]) == set(aot.ALL_KERNELS)
-    for kernel, per in s["kernels"].items():
-        assert set(per) == set(aot.TARGETS), kernel
-        for target, e in per.items():
-            assert e["spec"] == aot.SUMMARY_SPEC, (kernel, target)
+    # A kernel has an entry per target where some spec launches it (the
+    # backward's state passes run apart or in one launch, as each target's
+    # config says), at the main spec where that one does.
+    for kernel in aot.ALL_KERNELS:
+        per = s["kernels"].get(kernel, {})
+        for target in aot.TARGETS:
             specs = [sp for sp in aot.SPECS if aot.applies(kernel, target, sp)]
-            assert specs and e["all_specs"]["compiles"] == len(specs), (kernel, target)
+            if not specs:
+                assert target not in per, (kernel, target)
+                continue
+            e = per[target]
+            names = [sp.name for sp in specs]
+            main = aot.SUMMARY_SPEC if aot.SUMMARY_SPEC in names else names[0]
+            assert e["spec"] == main, (kernel, target)
+            assert e["all_specs"]["compiles"] == len(specs), (kernel, target)
             assert e["all_specs"]["failed"] == 0 and e["all_specs"]["spilled"] == 0
+    assert set(s["kernels"]) <= set(aot.ALL_KERNELS)
 
 
 def test_ptx_call_chain_completed_from_other_lines(src):

@@ -141,7 +141,8 @@ def test_16_bit_pool_rounds_once_on_write_back(fn, impl, dtype, v_first, check_c
     """A bfloat16 / float16 pool: rows are read into float32 and computed on in
     float32, and each written row is the float32 pool's final state rounded
     once to the pool's dtype, bit for bit (the same inputs and float32 initial
-    values, which the 16-bit rows hold exactly); o equals the float32 pool's;
+    values, which the 16-bit rows hold exactly; within float32 rounding where
+    the two pools run different native binaries); o equals the float32 pool's;
     rows no sequence names, padding and a has_initial_state False row (NaN,
     never read) come back untouched; o and the rows against the reference."""
     lens, idx = [5, 0, 9, 1], np.array([4, 0, -1, 2], np.int32)
@@ -155,10 +156,20 @@ def test_16_bit_pool_rounds_once_on_write_back(fn, impl, dtype, v_first, check_c
     o, new = FNS[fn](*x.args(), state_cache=narrow, **kw)
     o32, new32 = FNS[fn](*x.args(), state_cache=wide, **kw)
     assert new.dtype == jnp.dtype(dtype) and new.shape == wide.shape
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(o32))
-    np.testing.assert_array_equal(np.asarray(new[idx[has & (idx >= 0)]]),
-                                  np.asarray(jnp.asarray(new32, dtype)[idx[has & (idx >= 0)]]))
-    np.testing.assert_array_equal(np.asarray(new[2]), np.asarray(jnp.asarray(new32[2], dtype)))
+    same, same_rows = np.testing.assert_array_equal, np.testing.assert_array_equal
+    if impl == "triton" and not interpret_mode():
+        # Natively the two pools' decode kernels are different binaries (a 16-bit
+        # or a float32 state load), whose float32 arithmetic the compiler may
+        # contract differently (3e-8 apart on an H100): o within float32
+        # rounding, each row within one unit of the pool's last place.
+        same = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+        ulp = float(jnp.finfo(dtype).eps)
+        same_rows = lambda a, b: np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=ulp, atol=1e-7)
+    same(np.asarray(o), np.asarray(o32))
+    same_rows(np.asarray(new[idx[has & (idx >= 0)]]),
+              np.asarray(jnp.asarray(new32, dtype)[idx[has & (idx >= 0)]]))
+    same_rows(np.asarray(new[2]), np.asarray(jnp.asarray(new32[2], dtype)))
     _untouched(np.asarray(new), np.asarray(narrow), [1, 3, 5])
     h0 = _expected_h0(np.nan_to_num(wide), idx, has)
     swap = (lambda a: np.swapaxes(a, -1, -2)) if v_first else (lambda a: a)

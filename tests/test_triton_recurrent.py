@@ -154,6 +154,29 @@ def test_config_override_and_small_v_blocks(check_close):
     check_close(s, rs, "float32", "final_state")
 
 
+@pytest.mark.parametrize("form", ["host", "bucket"])
+def test_single_token_decode_with_loaded_bounds(form, check_close):
+    """Sequences of at most one token whose bounds the kernel loads (varlen
+    host bounds with empty sequences; a decode bucket, max_len 1), in V
+    blocks smaller than V."""
+    lens = [1, 0, 1, 1, 0]
+    cu = np.cumsum([0] + lens)
+    x = testing.make_inputs(9, T=int(cu[-1]), H=1, HV=2, K=48, V=40, N=len(lens),
+                            gate_floor=-1000.0)
+    bounds = cu
+    if form == "bucket":
+        bounds = kda_jax.VarlenBatch.from_lengths(lens, kda_jax.Bucket(5, 3, max_len=1))
+    cfg = configs.RecurrentConfig(block_v=16, block_v_bounds=16)
+    with configs.override_recurrent(cfg):
+        o, s = kda_jax.fused_recurrent_kda(*x.args(), initial_state=x.initial_state,
+                                           output_final_state=True, cu_seqlens=bounds,
+                                           implementation="triton")
+    ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=x.initial_state,
+                                           output_final_state=True, cu_seqlens=cu)
+    check_close(o, ro, "float32", "o")
+    check_close(np.asarray(s)[:len(lens)], rs, "float32", "final_state")
+
+
 def test_recurrent_config_table():
     assert set(configs.RECURRENT) == set(configs.ARCHS)
     assert configs.recurrent_config("gfx950") == configs.RECURRENT["gfx950"]

@@ -2,7 +2,8 @@
 [N] in fused_recurrent_kda and chunk_kda, on both implementations.
 
 A verify step must give what single-token decodes run one after another give
-(same path, float32 pool: bit for bit), each sequence starting from the row of
+(same path, float32 pool: bit for bit, but for float32 rounding where a
+backend does not promise the same bits), each sequence starting from the row of
 its last accepted token and writing the state after each of its tokens to that
 token's row; both are also checked against the float64 reference. Rows no
 write names come back bit-identical.
@@ -20,6 +21,7 @@ from kda_jax import Bucket, VarlenBatch, reference, testing
 from kda_jax.triton import unavailable_reason
 
 NO_TRITON = unavailable_reason()
+ON_ACCELERATOR = jax.default_backend() != "cpu"
 FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
 IMPLS = [pytest.param("xla"),
          pytest.param("triton", marks=pytest.mark.skipif(
@@ -120,8 +122,11 @@ def test_verify_equals_sequential_decodes(fn, impl, drafts, lens, acc, check_clo
     # when every sequence has the same length, in sequence when bounds are
     # loaded (kernels/fused_recurrent.py): varlen verifies then differ from
     # one-token decodes by float32 rounding only.
+    # XLA promises the same bits only on the CPU: on a GPU its fusions of the
+    # verify's token scan and of a one-token step contract multiplies and adds
+    # differently (float32 rounding apart, 2e-8 seen on an H100).
     same = np.testing.assert_array_equal
-    if impl == "triton" and len(set(lens)) > 1:
+    if (impl == "triton" and len(set(lens)) > 1) or (impl == "xla" and ON_ACCELERATOR):
         same = lambda a, b, **kw: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7, **kw)
     same(np.asarray(o), so)
     check_close(o, ro, "float32", "o")

@@ -41,6 +41,18 @@ GRIDS = {
     "recompute": [{}, dict(prepare_block_k=32), dict(prepare_block_k=32, inverse_dot="tf32"),
                   dict(inverse_dot="tf32")],
     "intra": [{}, dict(intra_block_k=32, intra_warps=8)],
+    # The two state passes: a launch each or one launch, and their stages
+    # (at 2 the reverse pass's pipelined tiles take 124 KiB of shared memory
+    # on sm90: one program per SM).
+    "state_passes": [
+        dict(state_passes_fused=False, dstate_stages=2),
+        dict(state_passes_fused=False, dstate_stages=1),
+        dict(state_passes_fused=False, dstate_stages=1, state_stages=1),
+        dict(state_passes_fused=True, dstate_stages=2),
+        dict(state_passes_fused=True, dstate_stages=1),
+        dict(state_passes_fused=False, dstate_stages=1, state_block_v=32),
+        dict(state_passes_fused=True, dstate_stages=1, state_block_v=32),
+    ],
 }
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 

@@ -8,7 +8,8 @@ several launch configs and checks each one against the float32 reference
 Each row: the config, the median ms of a dense [N, 1] decode step with an
 initial and final state (bf16 q, k, v; K = V = 128) per batch size, of the
 serving form at the first batch size (a decode bucket with max_len 1 and a
-donated state pool, updated in place), and the relative RMS error of o
+donated state pool, updated in place; a float32 and a bfloat16 pool), and
+the relative RMS error of o
 and the final state at the first batch size.
 """
 
@@ -31,17 +32,20 @@ from bench.timing import time_jax
 from bench.tune.grid import write_records
 from kda_jax import configs, reference, testing
 
-# Around the shipped sm90 config: the V block (more, smaller programs for the
-# memory-bound state read and write) and the warps per program.
-GRID = [dict(block_v=bv, warps=w) for bv in (16, 32, 64) for w in (1, 2, 4)]
+# Around the shipped sm90 config: the V block of both forms (dense: block_v;
+# the pools, which load bounds: block_v_bounds), fewer and larger programs or
+# more and smaller ones for the memory-bound state read and write, and the
+# warps per program.
+GRID = [dict(block_v=bv, block_v_bounds=bv, warps=w) for bv in (32, 64, 128) for w in (2, 4, 8)]
 
 
 def _config_of(text: str) -> dict:
-    """'64x4' -> block_v 64, 4 warps."""
+    """'64x4' -> block_v and block_v_bounds 64, 4 warps."""
     parts = text.split("x")
     if len(parts) != 2 or not all(x.isdigit() for x in parts):
         raise ValueError(f"config {text!r} must be BLOCK_VxWARPS, e.g. 32x4")
-    return dict(zip(("block_v", "warps"), (int(x) for x in parts)))
+    bv, warps = (int(x) for x in parts)
+    return dict(block_v=bv, block_v_bounds=bv, warps=warps)
 
 
 def decode_inputs(n: int, h: int, d: int):
@@ -88,14 +92,15 @@ def main(argv=None):
                     *(y.reshape((1, n) + y.shape[2:]) for y in a), cu_seqlens=batch,
                     state_cache=pool, state_indices=idx, implementation="triton")[1],
                     donate_argnums=0)  # in place: the pool goes round
-                state = {"pool": h0.copy()}
                 idx = jnp.arange(n, dtype=jnp.int32)
+                for dtype, suffix in ((jnp.float32, ""), (jnp.bfloat16, "_bf16")):
+                    state = {"pool": jnp.array(h0, dtype=dtype, copy=True)}  # donated
 
-                def pool_step(state=state, pooled=pooled, idx=idx, batch=batch, x=x):
-                    state["pool"] = pooled(state["pool"], idx, batch, *x)
-                    return state["pool"]
+                    def pool_step(state=state, pooled=pooled, idx=idx, batch=batch, x=x):
+                        state["pool"] = pooled(state["pool"], idx, batch, *x)
+                        return state["pool"]
 
-                rec[f"ms_N{n}_bucket_pool"] = time_jax(pool_step)
+                    rec[f"ms_N{n}_bucket_pool{suffix}"] = time_jax(pool_step)
                 o, s = step(h00, *x0)
             rec.update(o_rel_rms=testing.rel_rms(o, ro), state_rel_rms=testing.rel_rms(s, rs))
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
