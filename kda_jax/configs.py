@@ -331,7 +331,7 @@ class RecurrentConfig:
 RECURRENT = {
     # Rows of 64 floats copy faster in the dense decode (a state copy with
     # arithmetic on the way); with bounds loaded the 32-wide tile is faster.
-    "sm90": RecurrentConfig(block_v=64, block_v_bounds=32, block_v_wide=32, warps=4, stages=2),
+    "sm90": RecurrentConfig(block_v=64, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
     # Untimed: 2 waves of 64 hold the tile as sm90's 4 warps of 32 do.
     "gfx950": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
@@ -409,6 +409,14 @@ class BackwardConfig:
       ForwardConfig's (prepare_split for 16-bit and float32 inputs alike).
     prepare_dot_fp32: every recompute product with float32 inputs (as
       ForwardConfig.fp32_dot).
+    save_prepare: the forward under jax.grad runs its prepare kernel at the
+      fields above, storing X and G too, and keeps its outputs for the
+      backward, which then launches no recompute (kda_jax.triton.backward).
+      The forward's prepare then costs what the recompute did, and the
+      residuals hold per token and value head w, qg, kt (K each), u (V) and
+      Aqk (BT) in the intermediates' dtype, G (K) and X (BT) in float32,
+      besides the inputs: 1.9 KiB at K = V = 128, chunk 64, bf16. False:
+      the residuals are the inputs and the backward recomputes.
 
     Both state passes (forward h and reverse dS; one program per sequence,
     head and V block):
@@ -467,6 +475,7 @@ class BackwardConfig:
     prepare_wu_dot: str = "ieee"
     inverse_dot: str = "ieee"
     prepare_dot_fp32: str = "ieee"
+    save_prepare: bool = False
     state_block_v: int = 32
     state_warps: int = 4
     state_warps_wide: int = 4
@@ -506,7 +515,7 @@ class BackwardConfig:
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
         for name in ("dstate_split_k", "prepare_split", "state_passes_fused",
-                     "state_passes_fused_fp32"):
+                     "state_passes_fused_fp32", "save_prepare"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if (not isinstance(self.gate_fp32_max_k, int) or isinstance(self.gate_fp32_max_k, bool)
@@ -532,7 +541,7 @@ BACKWARD = {
         prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
         prepare_split=True,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3",
+        prepare_dot_fp32="bf16x3", save_prepare=False,
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True, state_passes_fused=False,
@@ -551,7 +560,7 @@ BACKWARD = {
     "gfx950": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3",
+        prepare_dot_fp32="bf16x3", save_prepare=False,
         state_block_v=32, state_warps=2, state_warps_wide=2, state_stages=2,
         state_stages_fp32=1, dstate_stages=2, dstate_stages_fp32=1,
         dstate_split_k=True, state_passes_fused=False,
@@ -568,7 +577,7 @@ BACKWARD = {
     "gfx942": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3",
+        prepare_dot_fp32="bf16x3", save_prepare=False,
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=1,
         state_stages_fp32=1, dstate_stages=1, dstate_stages_fp32=1,
         dstate_split_k=True, state_passes_fused=False,
@@ -585,7 +594,7 @@ BACKWARD = {
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_split=True,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3",
+        prepare_dot_fp32="bf16x3", save_prepare=False,
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True, state_passes_fused=False,
@@ -598,6 +607,7 @@ BACKWARD = {
     "default": BackwardConfig(
         prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
         prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
+        save_prepare=False,
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True, state_passes_fused=False,
@@ -618,7 +628,7 @@ BACKWARD_C32 = {
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
         prepare_split=True,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3",
+        prepare_dot_fp32="bf16x3", save_prepare=False,
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=False, state_passes_fused=False,

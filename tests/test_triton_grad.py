@@ -212,6 +212,47 @@ def test_state_passes_launch_forms_match_reference(name, split_rev, fused, check
     assert not failures, f"{name}: " + "; ".join(failures)
 
 
+KEPT_CASES = ["plain-B2-c64", "awkward-K60-V100-gva-c32", "gate-lb-Alog-dtbias-c64",
+              "l2norm-beta-sigmoid-negeig", "varlen-empty-len1-c32", "split-K100-vfirst-c64"]
+if ON_GPU:
+    KEPT_CASES += ["gpu-big-K128-gva", "gpu-varlen-all-transforms"]
+
+
+def _count_launches(jaxpr) -> int:
+    """Kernel launches in a jaxpr, nested ones included (its printed form
+    names each: the interpreter's callback or jax-triton's call)."""
+    text = str(jaxpr)
+    return text.count("pure_callback") + text.count("triton_kernel_call")
+
+
+@pytest.mark.parametrize("name", KEPT_CASES)
+def test_kept_prepare_matches_reference(name, check_rel_rms):
+    """BackwardConfig.save_prepare: the forward under jax.grad keeps its
+    prepare's outputs (in-kernel transforms, GVA, empty and one-token
+    sequences, K halves) and the backward launches no recompute: one launch
+    fewer than with the recompute, and the gradients held to the float32
+    reference's bar."""
+    make_kw, call_kw, chunk, wrt = CASES[name]
+    x = make_inputs(29, **make_kw)
+    w_o, w_f = _weights(x, call_kw, seed=11)
+    base = configs.backward_config(chunk_size=chunk)
+    kept = dataclasses.replace(base, save_prepare=True)
+    arrays = _arrays(x)
+    params = {n: arrays[n] for n in wrt}
+    fast = functools.partial(kda_jax.chunk_kda, implementation="triton", chunk_size=chunk)
+    launches = {}
+    for form, cfg in (("recompute", base), ("kept", kept)):
+        # A new function each time: a traced one keeps the config it was traced with.
+        grad = jax.grad(_loss(fast, arrays, call_kw, w_o, w_f))
+        with configs.override_backward(cfg):
+            launches[form] = _count_launches(jax.make_jaxpr(grad)(params))
+    assert launches["kept"] == launches["recompute"] - 1, launches
+    with configs.override_backward(kept):
+        ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
+    failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
+    assert not failures, f"{name}: " + "; ".join(failures)
+
+
 @pytest.mark.parametrize("gate_floor", [None, -1000.0])
 def test_intra_k_blocks_match_reference(gate_floor, check_rel_rms):
     """The intra kernel over K blocks of 32 (K = 48 is a full and a masked

@@ -41,6 +41,14 @@ GRIDS = {
     "recompute": [{}, dict(prepare_block_k=32), dict(prepare_block_k=32, inverse_dot="tf32"),
                   dict(inverse_dot="tf32")],
     "intra": [{}, dict(intra_block_k=32, intra_warps=8)],
+    # The recompute at the forward's product precisions (tf32 Aqk, Akk and
+    # inverse merge, bf16 w and u), then also at the forward's launch config.
+    "recompute_precision": [
+        {},
+        dict(prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32"),
+        dict(prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", prepare_warps=8,
+             prepare_stages=3, prepare_split=False),
+    ],
     # The two state passes: a launch each or one launch, and their stages
     # (at 2 the reverse pass's pipelined tiles take 124 KiB of shared memory
     # on sm90: one program per SM).
