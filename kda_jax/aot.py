@@ -295,7 +295,8 @@ def _segment_launch_for(kernel: str, target: str, spec: Spec):
 
 def _kept_launch_for(kernel: str, target: str, spec: Spec):
     """_launch_for of a kept-prepare forward's kernel, or None where the
-    target's backward config does not keep the prepare."""
+    target's backward config does not keep the prepare at this spec
+    (kda_jax.triton.backward.kept_prepare)."""
     import jax.numpy as jnp
 
     from kda_jax.configs import backward_config, forward_config
@@ -303,12 +304,11 @@ def _kept_launch_for(kernel: str, target: str, spec: Spec):
     from kda_jax.triton.forward import forward_launches
 
     opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
-    bwd = backward_config(target, spec.chunk)
-    if not bwd.save_prepare:
-        return None
     in_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype]
     config = forward_config(target, spec.chunk)
-    keep = kept_prepare(in_dtype, opts, config, bwd, spec.K)
+    keep = kept_prepare(in_dtype, opts, config, backward_config(target, spec.chunk), spec.K)
+    if keep is None:
+        return None
     shapes = dict(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, work=keep.work,
                   has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0)
     if kernel == "kda_fwd_prepare_kept":
@@ -360,8 +360,8 @@ def _launch_for(kernel: str, target: str, spec: Spec):
     if kernel in KEPT_KERNELS:
         found = _kept_launch_for(kernel, target, spec)
         if found is None:
-            raise ValueError(f"{kernel} does not run on {target}: its backward config "
-                             "recomputes the prepare (save_prepare=False)")
+            raise ValueError(f"{kernel} does not run at {spec.name} on {target}: the "
+                             "backward recomputes the prepare there (kept_prepare)")
         return found
     import jax.numpy as jnp
 

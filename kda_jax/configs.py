@@ -416,7 +416,9 @@ class BackwardConfig:
       residuals hold per token and value head w, qg, kt (K each), u (V) and
       Aqk (BT) in the intermediates' dtype, G (K) and X (BT) in float32,
       besides the inputs: 1.9 KiB at K = V = 128, chunk 64, bf16. False:
-      the residuals are the inputs and the backward recomputes.
+      the residuals are the inputs and the backward recomputes (as it does
+      with float32 intermediates past K = 128, where the forward's state
+      kernel on them spills: kda_jax.triton.backward.kept_prepare).
 
     Both state passes (forward h and reverse dS; one program per sequence,
     head and V block):

@@ -225,6 +225,34 @@ def _count_launches(jaxpr) -> int:
     return text.count("pure_callback") + text.count("triton_kernel_call")
 
 
+def test_kept_prepare_configs(monkeypatch):
+    """What the forward keeps under save_prepare (sm90's configs, native
+    intermediates): 16-bit ones at the backward's prepare fields, float32
+    ones at the forward's launch fields with the backward's precision, and
+    nothing (the backward recomputes) for float32 ones past K = 128 or with
+    the switch off."""
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton import backward
+
+    monkeypatch.setattr(backward, "interpret_mode", lambda: False)
+    fwd, bwd = configs.forward_config("sm90"), configs.backward_config("sm90")
+    on = dataclasses.replace(bwd, save_prepare=True)
+    opts = KdaOptions(scale=0.1, chunk_size=64)
+    assert backward.kept_prepare(jnp.bfloat16, opts, fwd, bwd, 128) is None
+    keep = backward.kept_prepare(jnp.bfloat16, opts, fwd, on, 256)
+    assert keep.work == jnp.bfloat16
+    assert (keep.config.prepare_warps, keep.config.prepare_dot, keep.config.prepare_wu_dot) == (
+        bwd.prepare_warps, bwd.prepare_dot, bwd.prepare_wu_dot)
+    assert keep.config.state_block_v == fwd.state_block_v  # the state kernel's stay
+    keep = backward.kept_prepare(jnp.float32, opts, fwd, on, 128)
+    assert keep.work == jnp.float32 and keep.config.prepare_warps == fwd.prepare_warps
+    assert keep.config.fp32_dot == bwd.prepare_dot_fp32
+    assert backward.kept_prepare(jnp.float32, opts, fwd, on, 256) is None
+    l2 = dataclasses.replace(opts, use_qk_l2norm_in_kernel=True)  # float32 q, k
+    assert backward.kept_prepare(jnp.bfloat16, l2, fwd, on, 128).work == jnp.float32
+    assert backward.kept_prepare(jnp.bfloat16, l2, fwd, on, 256) is None
+
+
 @pytest.mark.parametrize("name", KEPT_CASES)
 def test_kept_prepare_matches_reference(name, check_rel_rms):
     """BackwardConfig.save_prepare: the forward under jax.grad keeps its

@@ -80,15 +80,27 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
 
 
 def kept_prepare(input_dtype, opts: KdaOptions, config: ForwardConfig,
-                 bwd_config: BackwardConfig, kd: int) -> KeptPrepare:
+                 bwd_config: BackwardConfig, kd: int) -> KeptPrepare | None:
     """How the forward under jax.grad keeps its prepare for the backward
     (``bwd_config.save_prepare``): at the backward's prepare fields, in the
     dtype of the intermediates the backward would recompute
     (:func:`backward_work_dtype` of the transformed inputs: the in-kernel L2
-    norm makes q and k float32)."""
+    norm makes q and k float32). None where the config recomputes, or the
+    forward's state kernel cannot take those intermediates: float32 ones past
+    K = 128 (its [BT, K] tiles and the o products spilled 104-280 bytes on
+    sm90 at every V block and warp count tried; kda_jax.aot)."""
+    if not bwd_config.save_prepare:
+        return None
     dtype = jnp.float32 if opts.use_qk_l2norm_in_kernel else input_dtype
     work = backward_work_dtype(dtype, opts, bwd_config, kd, interpret=interpret_mode())
-    return KeptPrepare(dataclasses.replace(config, **_prepare_fields(bwd_config)), work)
+    if jnp.dtype(work).itemsize != 2 and next_pow2(max(kd, 16)) > 128:
+        return None
+    if jnp.dtype(work).itemsize == 2:
+        return KeptPrepare(dataclasses.replace(config, **_prepare_fields(bwd_config)), work)
+    # Float32 intermediates: the forward's float32 launch fields (its products
+    # are fp32-grade too, at the backward's precision here): with every input
+    # transform on, the recompute's fields spilled on sm90 and gfx942.
+    return KeptPrepare(dataclasses.replace(config, fp32_dot=bwd_config.prepare_dot_fp32), work)
 
 
 def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, kd: int, *,
@@ -472,9 +484,9 @@ def _chunk_kda(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, co
 def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, bwd_config,
          segments):
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    if not bwd_config.save_prepare:
-        return _forward(*inputs, opts, bounds, config, segments), (inputs, None)
     keep = kept_prepare(q.dtype, opts, config, bwd_config, q.shape[-1])
+    if keep is None:
+        return _forward(*inputs, opts, bounds, config, segments), (inputs, None)
     o, final, *prepared = _forward(*inputs, opts, bounds, config, segments, keep=keep)
     return (o, final), (inputs, None if prepared[0] is None else tuple(prepared))
 
