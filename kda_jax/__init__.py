@@ -12,8 +12,7 @@ from kda_jax.api import IMPLEMENTATIONS, chunk_kda, fused_recurrent_kda
 from kda_jax.batch import VarlenBatch
 from kda_jax.bounds import Bucket, SeqBounds
 from kda_jax.reference import naive_recurrent_kda
-from kda_jax.triton.forward_only import (NotBatchableError, NotDifferentiableError,
-                                         UnsupportedTransformError)
+from kda_jax.errors import NotBatchableError, NotDifferentiableError, UnsupportedTransformError
 
 __all__ = [
     "IMPLEMENTATIONS",

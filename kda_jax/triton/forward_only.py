@@ -5,7 +5,7 @@ The Triton launches (jax-triton's custom call, or ``jax.pure_callback`` in
 interpret mode) have neither a JVP nor a batching rule, so JAX would fail deep
 inside with its own message ("Pure callbacks do not support JVP", a missing
 batching rule). :func:`not_differentiable` wraps a form in a
-``jax.custom_jvp`` whose rule raises :class:`NotDifferentiableError`;
+``jax.custom_jvp`` whose rule raises :class:`kda_jax.errors.NotDifferentiableError`;
 :func:`unbatchable` in a ``jax.custom_batching.custom_vmap`` whose rule raises
 :class:`NotBatchableError`; :func:`forward_only` does both (the serving forms:
 a pool or a VarlenBatch). fused_recurrent_kda with host bounds is
@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 import jax
 
-__all__ = ["UnsupportedTransformError", "NotDifferentiableError", "NotBatchableError",
-           "forward_only", "not_differentiable", "unbatchable", "GRAD_ALTERNATIVE",
+from kda_jax.errors import NotBatchableError, NotDifferentiableError
+
+__all__ = ["forward_only", "not_differentiable", "unbatchable", "GRAD_ALTERNATIVE",
            "VMAP_ALTERNATIVE"]
 
 GRAD_ALTERNATIVE = (
@@ -36,18 +37,6 @@ VMAP_ALTERNATIVE = (
     "form use implementation='xla' under jax.vmap, or fold the mapped axis into the call "
     "(more sequences in the batch and in state_indices)"
 )
-
-
-class UnsupportedTransformError(NotImplementedError):
-    """A JAX transformation that a kda_jax form does not support."""
-
-
-class NotDifferentiableError(UnsupportedTransformError):
-    """jax.grad / jax.jvp / jax.vjp of a forward-only form."""
-
-
-class NotBatchableError(UnsupportedTransformError):
-    """jax.vmap of a form without a batching rule."""
 
 
 def unbatchable(fn: Callable, form: str) -> Callable:
