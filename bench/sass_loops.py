@@ -98,7 +98,9 @@ def compile_tree(tree: str, kernel: str, spec: str, out: str) -> dict:
     """Compiles ``kernel`` of the source tree at ``tree`` in a child process (so its
     kda_jax is the one imported); returns summarize()'s dict plus the compile's registers,
     spills and occupancy."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    # A cache of its own per tree: a cached binary of equal source would carry another
+    # tree's file names and line numbers.
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=out + ".cache")
     subprocess.run([sys.executable, "-c", _COMPILE, kernel, spec, out], env=env, check=True,
                    cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
     row = json.load(open(out + ".json"))

@@ -1,0 +1,99 @@
+"""bench.cost_model's pieces on hand-written SASS (no compile, no GPU): loops and their
+`for` lines, trip counts from the launch's constexprs, the scoreboard of one warp, and
+occupancy."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from bench import cost_model as cm
+
+
+def _sass(path, body_lines):
+    """SASS text whose instructions carry ``path``'s line numbers: (line, text, label)."""
+    out = []
+    for line, text, label in body_lines:
+        if label:
+            out.append(f"{label}:")
+        out.append(f'\t//## File "{path}", line {line}')
+        out.append(f"        /*{len(out):04x}*/                   {text} ;")
+    return "\n".join(out)
+
+
+@pytest.fixture
+def kernel_source(tmp_path):
+    src = tmp_path / "k.py"
+    src.write_text("\n".join([
+        "BB = tl.constexpr(16)",              # 1
+        "def k(K: tl.constexpr, BK: tl.constexpr):",  # 2
+        "    for ks in range(0, K, BK):",     # 3
+        "        x = x + 1",                  # 4
+        "        for j in range(0, BB - 1):",  # 5
+        "            y = y * 2",              # 6
+        "    h = BT // 2",                    # 7
+        "    while h > 0:",                   # 8
+        "        h //= 2",                    # 9
+    ]) + "\n")
+    return str(src)
+
+
+def test_loops_trips_and_counts(kernel_source):
+    sass = _sass(kernel_source, [
+        (2, "MOV R0, RZ", None),
+        (3, "IADD3 R1, R1, 0x1, RZ", ".L_x_0"),
+        (4, "FADD R2, R2, 1", None),
+        (6, "FMUL R3, R3, 2", ".L_x_1"),
+        (5, "ISETP.NE.AND P0, PT, R4, RZ, PT", None),
+        (5, "@P0 BRA `(.L_x_1)", None),
+        (3, "ISETP.NE.AND P1, PT, R1, R5, PT", None),
+        (3, "@P1 BRA `(.L_x_0)", None),
+        (8, "SHF.R.S32.HI R6, RZ, 0x1, R6", ".L_x_2"),
+        (8, "@P2 BRA `(.L_x_2)", None),
+        (9, "EXIT", None),
+        (9, "BRA `(.L_x_3)", ".L_x_3"),  # padding after the exit (a branch to itself)
+    ])
+    instrs, loops = cm.parse(sass)
+    assert len(loops) == 3
+    lines = cm.loop_lines(instrs, loops)
+    assert [w.rsplit(":", 1)[1] for w in lines] == ["5", "3", "8"]
+    env = dict(K=128, BK=32, BT=64)
+    assert cm.trip_count(lines[0], env)[0] == 15  # BB, a module constant
+    assert cm.trip_count(lines[1], env)[0] == 4
+    assert cm.trip_count(lines[2], env)[0] == 6  # 32, 16, 8, 4, 2, 1
+    counts, table = cm.dynamic_counts(instrs, loops, env)
+    # The inner body (3 instructions) runs 4 x 15 times; the outer's own 4 run 4 times.
+    assert counts["fp32"] == 4 + 4 * 15  # FADD per outer trip, FMUL per inner trip
+    assert [r["trips"] for r in table] == [15, 4, 6]
+    with pytest.raises(ValueError, match="needs BK"):
+        cm.trip_count(lines[1], dict(K=128))
+    # An untaken loop contributes nothing.
+    counts, _ = cm.dynamic_counts(instrs, loops, env, untaken={lines[0]})
+    assert counts["fp32"] == 4
+
+
+def test_scoreboard_dependences():
+    chain = [cm.Instr("FFMA", "?", f" R{i + 1}, R{i}, R{i}, R{i}") for i in range(10)]
+    free = [cm.Instr("FFMA", "?", f" R{i + 20}, R1, R1, R1") for i in range(10)]
+    dependent, independent = cm.warp_cycles(chain), cm.warp_cycles(free)
+    assert dependent >= 9 * cm.SM90["latency"]["fp32"]
+    assert independent <= 12
+    # HGMMAs queue on the tensor core; the DEPBAR waits for them.
+    mma = [cm.Instr("WARPGROUP", "?", ".ARRIVE"),
+           cm.Instr("HGMMA", "?", ".64x64x16.F32.BF16 R24, gdesc[UR4], R24"),
+           cm.Instr("HGMMA", "?", ".64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0"),
+           cm.Instr("WARPGROUP", "?", ".DEPBAR.LE gsb0, 0x0"),
+           cm.Instr("FADD", "?", " R60, R24, R25")]
+    assert cm.warp_cycles(mma) >= 2 * 32  # two 64x64x16 at 512 MACs a cycle each
+
+
+def test_occupancy_and_estimate():
+    assert cm.occupancy(regs=255, smem=0, threads=128) == 2
+    assert cm.occupancy(regs=128, smem=0, threads=256) == 2
+    assert cm.occupancy(regs=64, smem=120 * 1024, threads=128) == 1
+    counts = collections.Counter(fp32=1000, warp_cycles=8000.0)
+    one = cm.estimate(counts, programs=132, warps=4, regs=255, smem=0, overlap=1.0)
+    two = cm.estimate(counts, programs=4 * 132, warps=4, regs=255, smem=0, overlap=1.0)
+    assert one["waves"] == 1 and two["waves"] == 2 and two["us"] > one["us"]
+    assert one["bound"] == "latency"
