@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
-import dataclasses
 import json
 import math
 import os
@@ -51,7 +50,7 @@ import re
 import subprocess
 import sys
 
-from bench.sass_loops import _COMPILE
+from bench.sass_loops import _COMPILE, Instr, _short, parse
 
 # sm90 (H100 SXM): issue cost per warp instruction on its sub-partition's unit, in cycles,
 # and latency of its result, in cycles. Tensor-core instructions cost their multiply-adds
@@ -99,37 +98,6 @@ def _tensor_cycles(op: str, rest: str) -> float:
     if op == "HMMA":
         return 4.0
     return 0.0
-
-
-@dataclasses.dataclass
-class Instr:
-    op: str
-    where: str  # "file:line"
-    rest: str
-
-
-def parse(sass: str) -> tuple[list[Instr], list[tuple[int, int]]]:
-    """(instructions, loops as (first, last) index pairs, one per backward branch)."""
-    labels, instrs, where = {}, [], "?"
-    for line in sass.splitlines():
-        m = re.match(r"^(\.L_x_\d+):", line)
-        if m:
-            labels[m.group(1)] = len(instrs)
-            continue
-        m = re.search(r'## File "([^"]+)", line (\d+)', line)
-        if m:
-            where = f"{m.group(1)}:{m.group(2)}"
-            continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
-        if m:
-            instrs.append(Instr(m.group(1), where, m.group(2)))
-    loops = []
-    for n, ins in enumerate(instrs):
-        target = re.search(r"\((\.L_x_\d+)\)", ins.rest) if ins.op == "BRA" else None
-        # (A branch to itself after the EXIT pads the code: not a loop.)
-        if target and labels.get(target.group(1), n + 1) < n:
-            loops.append((labels[target.group(1)], n))
-    return instrs, loops
 
 
 _FOR = re.compile(r"^\s*for\s+\w+\s+in\s+(?:tl\.)?(range|static_range)\((.*)\)\s*:")
@@ -298,11 +266,6 @@ def _width(rest: str) -> int:
     m = re.match(r"(?:\.\w+)*?\.(128|64|U16|S16|U8|S8)\b", rest)
     return {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}.get(
         m.group(1) if m else "", 4)
-
-
-def _short(where: str) -> str:
-    path, line = where.rsplit(":", 1)
-    return f"{os.path.basename(path)}:{line}"
 
 
 # --------------------------------------------------------------------------- #

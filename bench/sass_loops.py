@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -54,9 +55,19 @@ json.dump({k: row[k] for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy",
 """
 
 
-def parse(sass: str) -> tuple[list[tuple[str, str]], list[tuple[int, int]]]:
-    """(instructions as (opcode, source line "file:line"), loops as (first, last) indices
-    into them, one per backward branch)."""
+@dataclasses.dataclass
+class Instr:
+    """One SASS instruction: its opcode, its source line ("file:line", the file's path as
+    the compile saw it) and the rest of its text (modifiers and operands)."""
+
+    op: str
+    where: str
+    rest: str
+
+
+def parse(sass: str) -> tuple[list[Instr], list[tuple[int, int]]]:
+    """(instructions, loops as (first, last) indices into them, one per backward branch;
+    a branch to itself after the EXIT pads the code and is not a loop)."""
     labels, instrs, where = {}, [], "?"
     for line in sass.splitlines():
         m = re.match(r"^(\.L_x_\d+):", line)
@@ -65,17 +76,23 @@ def parse(sass: str) -> tuple[list[tuple[str, str]], list[tuple[int, int]]]:
             continue
         m = re.search(r'## File "([^"]+)", line (\d+)', line)
         if m:
-            where = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+            where = f"{m.group(1)}:{m.group(2)}"
             continue
         m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
         if m:
-            instrs.append((m.group(1), where, m.group(2)))
+            instrs.append(Instr(m.group(1), where, m.group(2)))
     loops = []
-    for n, (op, _, rest) in enumerate(instrs):
-        target = re.search(r"\((\.L_x_\d+)\)", rest) if op == "BRA" else None
-        if target and labels.get(target.group(1), n + 1) <= n:
+    for n, ins in enumerate(instrs):
+        target = re.search(r"\((\.L_x_\d+)\)", ins.rest) if ins.op == "BRA" else None
+        if target and labels.get(target.group(1), n + 1) < n:
             loops.append((labels[target.group(1)], n))
-    return [(op, w) for op, w, _ in instrs], loops
+    return instrs, loops
+
+
+def _short(where: str) -> str:
+    """"file:line" with the file's base name."""
+    path, _, line = where.rpartition(":")
+    return f"{os.path.basename(path)}:{line}"
 
 
 def summarize(sass: str) -> dict:
@@ -85,11 +102,11 @@ def summarize(sass: str) -> dict:
     inner = set()
     out = {"instructions": len(instrs), "loops": []}
     for first, last in loops:
-        ops = collections.Counter(op for op, _ in instrs[first:last + 1])
-        out["loops"].append(dict(line=instrs[last][1], count=last - first + 1,
+        ops = collections.Counter(ins.op for ins in instrs[first:last + 1])
+        out["loops"].append(dict(line=_short(instrs[last].where), count=last - first + 1,
                                  **{k: ops[k] for k in SHOWN}))
         inner.update(range(first, last + 1))
-    rest = collections.Counter(op for n, (op, _) in enumerate(instrs) if n not in inner)
+    rest = collections.Counter(ins.op for n, ins in enumerate(instrs) if n not in inner)
     out["straight"] = dict(count=sum(rest.values()), **{k: rest[k] for k in SHOWN})
     return out
 

@@ -344,25 +344,20 @@ def applies(kernel: str, target: str, spec: Spec) -> bool:
 
 def _launch_for(kernel: str, target: str, spec: Spec):
     """(KernelLaunch, config, work dtype name) of ``kernel`` for this target/spec."""
-    if kernel in SEGMENT_KERNELS:
-        found = _segment_launch_for(kernel, target, spec)
-        if found is None:
-            raise ValueError(f"{kernel} does not run at {spec.name}: its state pass splits K")
-        return found
-    if kernel in BWD_KERNELS:
-        found = _bwd_launch_for(kernel, target, spec)
-        if found is None:
-            raise ValueError(f"{kernel} does not run at {spec.name} on {target}: its config "
-                             "launches the state passes in the other form")
-        return found
     if kernel in DECODE_KERNELS:
         return _decode_launch_for(kernel, target, spec)
-    if kernel in KEPT_KERNELS:
-        found = _kept_launch_for(kernel, target, spec)
-        if found is None:
-            raise ValueError(f"{kernel} does not run at {spec.name} on {target}: the "
-                             "backward recomputes the prepare there (kept_prepare)")
-        return found
+    # The families whose launches some specs or targets lack: (rule, why not).
+    for family, rule, why in (
+            (SEGMENT_KERNELS, _segment_launch_for, "its state pass splits K"),
+            (BWD_KERNELS, _bwd_launch_for, "its config launches the state passes in the "
+                                           "other form"),
+            (KEPT_KERNELS, _kept_launch_for, "the backward recomputes the prepare there "
+                                             "(kept_prepare)")):
+        if kernel in family:
+            found = rule(kernel, target, spec)
+            if found is None:
+                raise ValueError(f"{kernel} does not run at {spec.name} on {target}: {why}")
+            return found
     import jax.numpy as jnp
 
     from kda_jax.configs import forward_config

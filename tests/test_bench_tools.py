@@ -169,7 +169,7 @@ def test_sass_loops_counts_each_loop_by_its_back_edge():
         ".L_x_1:",
         "        /*0060*/                   EXIT ;"])
     instrs, loops = sass_loops.parse(sass)
-    assert [op for op, _ in instrs] == ["MOV", "SHFL", "BAR", "MUFU", "BRA", "BRA", "EXIT"]
+    assert [ins.op for ins in instrs] == ["MOV", "SHFL", "BAR", "MUFU", "BRA", "BRA", "EXIT"]
     assert loops == [(1, 4)]  # the forward branch to .L_x_1 is no loop
     s = sass_loops.summarize(sass)
     assert s["instructions"] == 7
