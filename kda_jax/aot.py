@@ -78,13 +78,7 @@ SEGMENT_KERNELS = ("kda_segment_map_kernel", "kda_segment_fold_kernel", "kda_seg
                    "kda_segment_fold_bwd", "kda_segment_fold_reverse",
                    "kda_fwd_state_output_seg", "kda_bwd_state_seg", "kda_bwd_dstate_seg",
                    "kda_bwd_dstate_own")
-# The forward under jax.grad that keeps its prepare for the backward
-# (configs.BackwardConfig.save_prepare; kda_jax.triton.backward.kept_prepare):
-# the prepare kernel at the backward's prepare fields with the input
-# transforms in-kernel, storing X, and the state kernel on its intermediates;
-# rows only for the targets whose config keeps it.
-KEPT_KERNELS = ("kda_fwd_prepare_kept", "kda_fwd_state_output_kept")
-ALL_KERNELS = KERNELS + DECODE_KERNELS + BWD_KERNELS + KEPT_KERNELS + SEGMENT_KERNELS
+ALL_KERNELS = KERNELS + DECODE_KERNELS + BWD_KERNELS + SEGMENT_KERNELS
 
 # target name -> (backend, arch, warp size); the name keys configs.FORWARD.
 TARGETS = {
@@ -185,8 +179,6 @@ def _spec_options(spec: Spec):
 # kernel name is its function's; the functions' arguments and their kinds are
 # kda_jax.kernels.signatures'.
 _FUNCTION = {"kda_bwd_recompute": "kda_fwd_prepare_kernel",
-             "kda_fwd_prepare_kept": "kda_fwd_prepare_kernel",
-             "kda_fwd_state_output_kept": "kda_fwd_state_output_kernel",
              "kda_segment_map_bwd": "kda_segment_map_kernel",
              "kda_segment_fold_bwd": "kda_segment_fold_kernel",
              "kda_segment_fold_reverse": "kda_segment_fold_kernel",
@@ -293,32 +285,6 @@ def _segment_launch_for(kernel: str, target: str, spec: Spec):
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
-def _kept_launch_for(kernel: str, target: str, spec: Spec):
-    """_launch_for of a kept-prepare forward's kernel, or None where the
-    target's backward config does not keep the prepare at this spec
-    (kda_jax.triton.backward.kept_prepare)."""
-    import jax.numpy as jnp
-
-    from kda_jax.configs import backward_config, forward_config
-    from kda_jax.triton.backward import kept_prepare
-    from kda_jax.triton.forward import forward_launches
-
-    opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
-    in_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype]
-    config = forward_config(target, spec.chunk)
-    keep = kept_prepare(in_dtype, opts, config, backward_config(target, spec.chunk), spec.K)
-    if keep is None:
-        return None
-    shapes = dict(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, work=keep.work,
-                  has_a_log=has_a_log, has_dt_bias=has_dt_bias, has_initial_state=has_h0)
-    if kernel == "kda_fwd_prepare_kept":
-        launch, _ = forward_launches(config=keep.config, store_x=True, **shapes)
-        config = keep.config
-    else:
-        _, launch = forward_launches(config=config, **shapes)
-    return launch, config, _TRITON_DTYPE[jnp.dtype(keep.work).name]
-
-
 # The state passes' segment launches differ from their one-pass launches in
 # the state I/O flags only: compiled at chunk 64 (a CI-time budget), the
 # chain's own kernels at every spec.
@@ -333,8 +299,6 @@ def applies(kernel: str, target: str, spec: Spec) -> bool:
     whole (and its state passes at chunk 64)."""
     if kernel in _STATE_PASS_FORMS:
         return _bwd_launch_for(kernel, target, spec) is not None
-    if kernel in KEPT_KERNELS:
-        return _kept_launch_for(kernel, target, spec) is not None
     if kernel not in SEGMENT_KERNELS:
         return True
     if kernel in _SEGMENT_STATE_PASSES and spec.chunk != 64:
@@ -344,20 +308,19 @@ def applies(kernel: str, target: str, spec: Spec) -> bool:
 
 def _launch_for(kernel: str, target: str, spec: Spec):
     """(KernelLaunch, config, work dtype name) of ``kernel`` for this target/spec."""
+    if kernel in SEGMENT_KERNELS:
+        found = _segment_launch_for(kernel, target, spec)
+        if found is None:
+            raise ValueError(f"{kernel} does not run at {spec.name}: its state pass splits K")
+        return found
+    if kernel in BWD_KERNELS:
+        found = _bwd_launch_for(kernel, target, spec)
+        if found is None:
+            raise ValueError(f"{kernel} does not run at {spec.name} on {target}: its config "
+                             "launches the state passes in the other form")
+        return found
     if kernel in DECODE_KERNELS:
         return _decode_launch_for(kernel, target, spec)
-    # The families whose launches some specs or targets lack: (rule, why not).
-    for family, rule, why in (
-            (SEGMENT_KERNELS, _segment_launch_for, "its state pass splits K"),
-            (BWD_KERNELS, _bwd_launch_for, "its config launches the state passes in the "
-                                           "other form"),
-            (KEPT_KERNELS, _kept_launch_for, "the backward recomputes the prepare there "
-                                             "(kept_prepare)")):
-        if kernel in family:
-            found = rule(kernel, target, spec)
-            if found is None:
-                raise ValueError(f"{kernel} does not run at {spec.name} on {target}: {why}")
-            return found
     import jax.numpy as jnp
 
     from kda_jax.configs import forward_config

@@ -102,6 +102,8 @@ class ForwardConfig:
     prepare_block_k_fp32: int = 64
     prepare_warps: int = 4
     prepare_stages: int = 1
+    prepare_warps_fp32: int = 4
+    prepare_stages_fp32: int = 1
     prepare_split: bool = False
     prepare_split_fp32: bool = False
     prepare_dot: str = "ieee"
@@ -331,7 +333,7 @@ class RecurrentConfig:
 RECURRENT = {
     # Rows of 64 floats copy faster in the dense decode (a state copy with
     # arithmetic on the way); with bounds loaded the 32-wide tile is faster.
-    "sm90": RecurrentConfig(block_v=64, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
+    "sm90": RecurrentConfig(block_v=64, block_v_bounds=32, block_v_wide=32, warps=4, stages=2),
     # Untimed: 2 waves of 64 hold the tile as sm90's 4 warps of 32 do.
     "gfx950": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
@@ -405,20 +407,12 @@ class BackwardConfig:
 
     The recompute (the forward's prepare kernel, storing X too):
     prepare_block_k / prepare_block_k_fp32 / prepare_warps / prepare_stages /
-      prepare_split / prepare_dot / prepare_wu_dot / inverse_dot: as
-      ForwardConfig's (prepare_split for 16-bit and float32 inputs alike).
+      prepare_split / prepare_split_fp32 / prepare_dot / prepare_wu_dot /
+      inverse_dot: as ForwardConfig's.
+    prepare_warps_fp32 / prepare_stages_fp32: its num_warps / num_stages with
+      float32 intermediates (prepare_warps / prepare_stages: 16-bit ones).
     prepare_dot_fp32: every recompute product with float32 inputs (as
       ForwardConfig.fp32_dot).
-    save_prepare: the forward under jax.grad runs its prepare kernel at the
-      fields above, storing X and G too, and keeps its outputs for the
-      backward, which then launches no recompute (kda_jax.triton.backward).
-      The forward's prepare then costs what the recompute did, and the
-      residuals hold per token and value head w, qg, kt (K each), u (V) and
-      Aqk (BT) in the intermediates' dtype, G (K) and X (BT) in float32,
-      besides the inputs: 1.9 KiB at K = V = 128, chunk 64, bf16. False:
-      the residuals are the inputs and the backward recomputes (as it does
-      with float32 intermediates past K = 128, where the forward's state
-      kernel on them spills: kda_jax.triton.backward.kept_prepare).
 
     Both state passes (forward h and reverse dS; one program per sequence,
     head and V block):
@@ -472,12 +466,14 @@ class BackwardConfig:
     prepare_block_k_fp32: int = 64
     prepare_warps: int = 4
     prepare_stages: int = 1
+    prepare_warps_fp32: int = 4
+    prepare_stages_fp32: int = 1
     prepare_split: bool = False
+    prepare_split_fp32: bool = False
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
     inverse_dot: str = "ieee"
     prepare_dot_fp32: str = "ieee"
-    save_prepare: bool = False
     state_block_v: int = 32
     state_warps: int = 4
     state_warps_wide: int = 4
@@ -508,16 +504,18 @@ class BackwardConfig:
             self, blocks=("prepare_block_k", "prepare_block_k_fp32", "state_block_v",
                           "inter_block_k", "inter_block_v", "inter_block_v_fp32", "wy_block_k",
                           "wy_block_v", "intra_block_k"),
-            warps=("prepare_warps", "state_warps", "state_warps_wide", "inter_warps",
+            warps=("prepare_warps", "prepare_warps_fp32", "state_warps", "state_warps_wide",
+                   "inter_warps",
                    "wy_warps", "intra_warps"),
-            stages=("prepare_stages", "state_stages", "state_stages_fp32", "dstate_stages",
+            stages=("prepare_stages", "prepare_stages_fp32", "state_stages", "state_stages_fp32",
+                    "dstate_stages",
                     "dstate_stages_fp32"),
             dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "prepare_dot_fp32", "wy_dot",
                   "wy_dot_fp32", "product_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
-        for name in ("dstate_split_k", "prepare_split", "state_passes_fused",
-                     "state_passes_fused_fp32", "save_prepare"):
+        for name in ("dstate_split_k", "prepare_split", "prepare_split_fp32",
+                     "state_passes_fused", "state_passes_fused_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if (not isinstance(self.gate_fp32_max_k, int) or isinstance(self.gate_fp32_max_k, bool)
@@ -529,21 +527,26 @@ class BackwardConfig:
 # One entry per arch at chunk 64, then at chunk 32; every field written out,
 # one sentence each on why (measurements: docs/tuning.md, "Launch configs").
 BACKWARD = {
-    # Split-bf16 products with 16-bit inputs (tf32 ones miss the gate
-    # parameters' gradient bar), tf32x3 ones with float32 intermediates; the
-    # recompute at 4 warps and 16-wide slices (two programs per SM), Aqk and
-    # Akk in a pass each (in one, its split products spill); 32-wide intra K
-    # blocks at 8 warps (each chunk's [BT, BT] work half as often as at 16;
-    # 64-wide ones spill); the largest wy blocks
-    # that compile without spills at every spec; the in-kernel gate's float32
+    # The recompute as the forward's prepare runs with 16-bit intermediates
+    # (its precisions, 8 warps, three stages, one pass): 0.7 ms faster at
+    # (1, 8192, 32) than split-bf16 products at 4 warps, the bf16 gradients
+    # within 3.5e-3 of the float32 reference (docs/tuning.md); with float32
+    # ones as before: fp32-grade products at 4 warps and one stage, Aqk and
+    # Akk in a pass each (at 8 warps and three stages they spilled 52 bytes,
+    # in one pass 8-76, under Triton 3.9). Split-bf16 products in the
+    # products' backward and wy, tf32x3 ones with float32 intermediates;
+    # 32-wide intra K blocks at 8 warps (each chunk's [BT, BT] work half as
+    # often as at 16; 64-wide ones spill); the largest wy blocks that compile
+    # without spills at every spec; the in-kernel gate's float32
     # intermediates up to K = 128 (at K = 256 the float32 state passes spill
     # over a KiB); the state passes a launch each at two stages (one launch,
     # or the reverse pass at one stage, measured no faster: docs/tuning.md).
     "sm90": BackwardConfig(
-        prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=4, prepare_stages=1,
-        prepare_split=True,
-        prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3", save_prepare=False,
+        prepare_block_k=16, prepare_block_k_fp32=16, prepare_warps=8, prepare_stages=3,
+        prepare_warps_fp32=4, prepare_stages_fp32=1,
+        prepare_split=False, prepare_split_fp32=True,
+        prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32",
+        prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True, state_passes_fused=False,
@@ -561,8 +564,9 @@ BACKWARD = {
     # bf16x3 hold 264-352 VGPRs, one wave per SIMD.
     "gfx950": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=4, prepare_stages=1,
+        prepare_warps_fp32=4, prepare_stages_fp32=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3", save_prepare=False,
+        prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=2, state_warps_wide=2, state_stages=2,
         state_stages_fp32=1, dstate_stages=2, dstate_stages_fp32=1,
         dstate_split_k=True, state_passes_fused=False,
@@ -578,8 +582,9 @@ BACKWARD = {
     # drop to one wave).
     "gfx942": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
+        prepare_warps_fp32=8, prepare_stages_fp32=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3", save_prepare=False,
+        prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=1,
         state_stages_fp32=1, dstate_stages=1, dstate_stages_fp32=1,
         dstate_split_k=True, state_passes_fused=False,
@@ -594,9 +599,10 @@ BACKWARD = {
     # blocks as gfx950's (32-wide ones hold 619 VGPRs at chunk 64).
     "gfx1250": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
-        prepare_split=True,
+        prepare_warps_fp32=8, prepare_stages_fp32=1,
+        prepare_split=True, prepare_split_fp32=True,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3", save_prepare=False,
+        prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True, state_passes_fused=False,
@@ -608,8 +614,8 @@ BACKWARD = {
     # Any other GPU: fp32 products, moderate tiles.
     "default": BackwardConfig(
         prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
+        prepare_warps_fp32=4, prepare_stages_fp32=1,
         prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
-        save_prepare=False,
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True, state_passes_fused=False,
@@ -628,9 +634,10 @@ BACKWARD_C32 = {
     # float32 state passes spill 8-64 bytes at K = 100).
     "sm90": BackwardConfig(
         prepare_block_k=32, prepare_block_k_fp32=32, prepare_warps=8, prepare_stages=1,
-        prepare_split=True,
+        prepare_warps_fp32=8, prepare_stages_fp32=1,
+        prepare_split=True, prepare_split_fp32=True,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
-        prepare_dot_fp32="bf16x3", save_prepare=False,
+        prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=False, state_passes_fused=False,

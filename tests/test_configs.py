@@ -179,7 +179,9 @@ def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, war
     bwd = configs.BackwardConfig(inter_block_v=32, inter_block_v_fp32=16, state_stages=2,
                                  state_stages_fp32=1, dstate_stages=2, dstate_stages_fp32=1,
                                  prepare_block_k=64, prepare_block_k_fp32=32,
-                                 dstate_split_k=False)
+                                 prepare_warps=8, prepare_stages=3, prepare_warps_fp32=4,
+                                 prepare_stages_fp32=1, prepare_split=False,
+                                 prepare_split_fp32=True, dstate_split_k=False)
     launches = backward_launches(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
                                  has_initial_state=True, has_final_grad=True,
                                  work=jnp.dtype(work))
@@ -202,6 +204,8 @@ def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, war
     prepare = recompute_launch(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
                                work=jnp.dtype(work))
     assert prepare.constexprs["BK"] == (32 if split else 64)
+    assert prepare.constexprs["SPLIT_PASSES"] is split
+    assert (prepare.num_warps, prepare.num_stages) == ((4, 1) if split else (8, 3))
 
 
 def test_split_bf16_modes_are_valid_and_run_as_ieee_in_the_interpreter(monkeypatch):

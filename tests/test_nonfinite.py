@@ -12,8 +12,6 @@ poisons its own token only.
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import functools
 
 import jax
@@ -22,7 +20,6 @@ import numpy as np
 import pytest
 
 import kda_jax
-from kda_jax import configs
 from kda_jax.testing import assert_close, make_inputs
 from kda_jax.triton import unavailable_reason
 
@@ -109,11 +106,9 @@ _NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def _weighted_loss(p, w, impl):
-    # "triton-kept": the Triton path with the forward's prepare kept for the
-    # backward (BackwardConfig.save_prepare, set by _grads while this traces).
     o, _ = kda_jax.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"],
-                             initial_state=p["initial_state"],
-                             implementation=impl.removesuffix("-kept"), chunk_size=C)
+                             initial_state=p["initial_state"], implementation=impl,
+                             chunk_size=C)
     return jnp.sum(jnp.where(w != 0, o, 0.0) * w)
 
 
@@ -127,27 +122,18 @@ def _grads(x, impl, keep_rows):
     rng = np.random.default_rng(2)
     w = rng.standard_normal((2, T, 2, 16)).astype(np.float32)
     w[0, keep_rows:] = 0.0
-    kept = contextlib.nullcontext()
-    if impl == "triton-kept":
-        kept = configs.override_backward(dataclasses.replace(
-            configs.backward_config(chunk_size=C), save_prepare=True))
-    with kept:
-        g = _grad_of_loss({n: jnp.asarray(getattr(x, n)) for n in _NAMES}, jnp.asarray(w),
-                          impl)
+    g = _grad_of_loss({n: jnp.asarray(getattr(x, n)) for n in _NAMES}, jnp.asarray(w), impl)
     return {n: np.asarray(v) for n, v in g.items()}
 
 
-TRITON_GRAD_CASES = [("v", np.nan), ("k", np.inf), ("g", np.nan), ("beta", np.inf),
-                     ("q", np.nan)]
-# triton-kept: the kept prepare holds the NaN rows the forward wrote (Aqk,
-# gl, and qg from a non-finite q); the backward zeroes them.
-GRAD_CASES = {"xla": CASES, "triton": TRITON_GRAD_CASES, "triton-kept": TRITON_GRAD_CASES}
+GRAD_CASES = {"xla": CASES, "triton": [("v", np.nan), ("k", np.inf), ("g", np.nan),
+                                       ("beta", np.inf), ("q", np.nan)]}
 
 
 @pytest.mark.parametrize("impl,field,value",
-                         [(i, f, v) for i in GRAD_CASES for f, v in GRAD_CASES[i]])
+                         [(i, f, v) for i in ("xla", "triton") for f, v in GRAD_CASES[i]])
 def test_gradients_are_causal(impl, field, value):
-    if impl.startswith("triton") and NO_TRITON:
+    if impl == "triton" and NO_TRITON:
         pytest.skip(f"Triton path unavailable: {unavailable_reason()}")
     x = _inputs()
     bad, clean = _poison(x, field, value)

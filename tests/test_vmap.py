@@ -10,7 +10,6 @@ Tiny shapes (T <= 40, K = V = 16, chunk_size 32) keep the compiles short.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 import kda_jax
-from kda_jax import configs, reference
+from kda_jax import reference
 from kda_jax.testing import make_inputs
 from kda_jax.triton import unavailable_reason
 from kda_jax import NotBatchableError
@@ -145,30 +144,25 @@ def _loss(f):
 
 
 @needs_triton
-@pytest.mark.parametrize("kept", [False, True])
-def test_grad_under_vmap_and_vmap_of_grad(kept, check_rel_rms):
+def test_grad_under_vmap_and_vmap_of_grad(check_rel_rms):
     """Host bounds, mapped q..beta and one initial_state for all elements:
     vmap(grad) gives each element's gradients (the initial state's too),
     equal to the loop of the Triton path's gradients and, for the last
     element, the reference's; grad(sum of vmap) the same for q..beta and
-    their sum for the state. ``kept``: the forward keeps its prepare for the
-    backward (BackwardConfig.save_prepare), its outputs mapped too."""
+    their sum for the state."""
     cu = (0, 5, 21)  # small: the interpreted backward is the cost
     x = _inputs("varlen", cu=cu)
     args = [x[n] for n in NAMES[:5]] + [x["initial_state"][0]]
     axes = (0,) * 5 + (None,)
     loss = _loss(_call("chunk", "triton", "varlen", cu=cu))
     grad = jax.grad(loss, argnums=tuple(range(6)))
-    cfg = dataclasses.replace(configs.backward_config(chunk_size=32), save_prepare=kept)
-    with configs.override_backward(cfg):
-        per = jax.jit(jax.vmap(grad, in_axes=axes))(*args)
-        total = jax.jit(jax.grad(lambda *a: jnp.sum(jax.vmap(loss, in_axes=axes)(*a)),
-                                 argnums=tuple(range(6))))(*args)
-        one = jax.jit(grad)
-        singles = [one(*([a[m] for a in args[:5]] + [args[5]])) for m in range(M)]
+    per = jax.jit(jax.vmap(grad, in_axes=axes))(*args)
+    total = jax.jit(jax.grad(lambda *a: jnp.sum(jax.vmap(loss, in_axes=axes)(*a)),
+                             argnums=tuple(range(6))))(*args)
+    one = jax.jit(grad)
     for m in range(M):
         element = [a[m] for a in args[:5]] + [args[5]]
-        for i, (got, want) in enumerate(zip(per, singles[m])):
+        for i, (got, want) in enumerate(zip(per, one(*element))):
             np.testing.assert_allclose(got[m], want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"vmap(grad) d{NAMES[i]}[{m}]")
     ref_loss = _loss(lambda *a: reference.naive_recurrent_kda(

@@ -1,10 +1,9 @@
 """Gradients of chunk_kda's Triton path: a jax.custom_vjp around the forward.
 
 The forward is :func:`kda_jax.triton.forward.chunk_kda_triton` (the input
-transforms in-kernel); its residuals are the raw inputs (q, k, v, g, beta,
-initial_state, A_log, dt_bias) and, with ``BackwardConfig.save_prepare``,
-its prepare kernel's outputs (w, u, qg, kt, Aqk, gl, G, X: the prepare then
-runs at the backward's recompute fields, storing X and G too). The backward
+transforms in-kernel); its residuals are the raw inputs only (q, k, v, g,
+beta, initial_state, A_log, dt_bias): every intermediate is recomputed. The
+backward
 
 1. recomputes the transformed inputs in JAX under ``jax.vjp`` (non-finite
    entries zeroed, L2 norm, gate, log-decay floor, beta sigmoid / negative
@@ -12,10 +11,7 @@ runs at the backward's recompute fields, storing X and G too). The backward
    forward made NaN (rows from a non-finite input on, and those sequences'
    final states): the kernels then see the clean computation only,
 2. runs, on them (transforms off), the forward's prepare kernel storing
-   X = (I + L)^-1 too (unless the forward kept its outputs: then their rows
-   that the forward made NaN are zeroed instead, Aqk and qg where the rows
-   above are and gl where it is NaN), then the kernels of
-   ``kda_jax.kernels.chunk_bwd``:
+   X = (I + L)^-1 too, then the kernels of ``kda_jax.kernels.chunk_bwd``:
    state pass and reverse state pass (a launch each, or one launch for both
    where the config says so; over segments when the call is segmented,
    :mod:`kda_jax.triton.state_chain`), then per chunk the state terms, the
@@ -40,28 +36,16 @@ from kda_jax import configs, transforms
 from kda_jax.bounds import SeqBounds, chunk_table, next_pow2, packed_metadata
 from kda_jax.configs import BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
-from kda_jax.triton.forward import (KeptPrepare, chunk_kda_triton, forward_launches,
-                                   split_state_k, work_dtype)
+from kda_jax.triton.forward import chunk_kda_triton, forward_launches, split_state_k, work_dtype
 from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, PACKED, ROWS, STATE, foldable
 from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel,
                                    stand_in)
 from kda_jax.triton import state_chain
-from kda_jax.triton.partitioning import (CALL, GRAD_CALL, GRAD_CALL_PREPARED, GRADS, PARAMS,
-                                         PREPARED, partitioned, unpartitioned_under_vmap)
+from kda_jax.triton.partitioning import (CALL, GRAD_CALL, GRADS, PARAMS, partitioned,
+                                         unpartitioned_under_vmap)
 
 __all__ = ["chunk_kda_triton_grad", "backward_launches", "backward_work_dtype", "core_backward",
-           "kept_prepare", "recompute_launch", "segmented_backward_launches"]
-
-
-def _prepare_fields(config: BackwardConfig) -> dict:
-    """The ForwardConfig fields of the backward's prepare (the recompute, or
-    the forward that keeps its prepare): config's prepare_* values."""
-    return dict(
-        prepare_block_k=config.prepare_block_k, prepare_block_k_fp32=config.prepare_block_k_fp32,
-        prepare_warps=config.prepare_warps, prepare_stages=config.prepare_stages,
-        prepare_split=config.prepare_split, prepare_split_fp32=config.prepare_split,
-        prepare_dot=config.prepare_dot, prepare_wu_dot=config.prepare_wu_dot,
-        inverse_dot=config.inverse_dot, fp32_dot=config.prepare_dot_fp32)
+           "recompute_launch", "segmented_backward_launches"]
 
 
 def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
@@ -72,35 +56,20 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     plain = dataclasses.replace(
         opts, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, lower_bound=None,
         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False)
-    prepare, _ = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=plain,
-                                  config=ForwardConfig(**_prepare_fields(config)), work=work,
+    sixteen_bit = jnp.dtype(work).itemsize == 2
+    fwd = ForwardConfig(
+        prepare_block_k=config.prepare_block_k,
+        prepare_warps=config.prepare_warps if sixteen_bit else config.prepare_warps_fp32,
+        prepare_stages=config.prepare_stages if sixteen_bit else config.prepare_stages_fp32,
+        prepare_split=config.prepare_split,
+        prepare_split_fp32=config.prepare_split_fp32,
+        prepare_dot=config.prepare_dot,
+        prepare_wu_dot=config.prepare_wu_dot, inverse_dot=config.inverse_dot,
+        fp32_dot=config.prepare_dot_fp32, prepare_block_k_fp32=config.prepare_block_k_fp32)
+    prepare, _ = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=plain, config=fwd, work=work,
                                   has_a_log=False, has_dt_bias=False,
                                   has_initial_state=False, store_x=True)
     return prepare
-
-
-def kept_prepare(input_dtype, opts: KdaOptions, config: ForwardConfig,
-                 bwd_config: BackwardConfig, kd: int) -> KeptPrepare | None:
-    """How the forward under jax.grad keeps its prepare for the backward
-    (``bwd_config.save_prepare``): at the backward's prepare fields, in the
-    dtype of the intermediates the backward would recompute
-    (:func:`backward_work_dtype` of the transformed inputs: the in-kernel L2
-    norm makes q and k float32). None where the config recomputes, or the
-    forward's state kernel cannot take those intermediates: float32 ones past
-    K = 128 (its [BT, K] tiles and the o products spilled 104-280 bytes on
-    sm90 at every V block and warp count tried; kda_jax.aot)."""
-    if not bwd_config.save_prepare:
-        return None
-    dtype = jnp.float32 if opts.use_qk_l2norm_in_kernel else input_dtype
-    work = backward_work_dtype(dtype, opts, bwd_config, kd, interpret=interpret_mode())
-    if jnp.dtype(work).itemsize != 2 and next_pow2(max(kd, 16)) > 128:
-        return None
-    if jnp.dtype(work).itemsize == 2:
-        return KeptPrepare(dataclasses.replace(config, **_prepare_fields(bwd_config)), work)
-    # Float32 intermediates: the forward's float32 launch fields (its products
-    # are fp32-grade too, at the backward's precision here): with every input
-    # transform on, the recompute's fields spilled on sm90 and gfx942.
-    return KeptPrepare(dataclasses.replace(config, fp32_dot=bwd_config.prepare_dot_fp32), work)
 
 
 def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, kd: int, *,
@@ -191,7 +160,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     return {launch_.kernel: launch_ for launch_ in launches if launch_.kernel not in unused}
 
 
-def core_backward(q, k, v, g, beta, initial_state, do, dht, prepared=None, *, opts: KdaOptions,
+def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
                   bounds: SeqBounds, config: BackwardConfig,
                   segments: configs.SegmentConfig | None = None):
     """The gradients of the core recurrence (no input transforms).
@@ -200,9 +169,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, prepared=None, *, op
       q, k ``[T, H, K]``; v ``[T, HV, V]``; g ``[T, HV, K]`` log-decay;
       beta ``[T, HV]``; initial_state float32 in the state layout, or None;
       do ``[T, HV, V]`` the output's cotangent; dht the final state's
-      cotangent (state layout, float32) or None; prepared: the prepare
-      kernel's outputs as a tuple in :data:`PREPARED`'s order (the forward's,
-      kept under ``config.save_prepare``, finite), or None to recompute them.
+      cotangent (state layout, float32) or None.
 
     Returns float32 ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[T, HV, K]``
     per value head (not yet summed over a GVA group), dv ``[T, HV, V]``,
@@ -229,10 +196,6 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, prepared=None, *, op
         return (zeros(tokens, hv, kd), zeros(tokens, hv, kd), zeros(tokens, hv, vd),
                 zeros(tokens, hv, kd), zeros(tokens, hv), dh0)
 
-    if prepared is not None and prepared[0].dtype != work:
-        raise ValueError(f"core_backward: the kept prepare's intermediates are "
-                         f"{prepared[0].dtype}, the backward's are {work}: the forward kept "
-                         "them under another config (kept_prepare)")
     meta_dev = jnp.asarray(meta.buffer)
     off_cu, off_co, off_ct = (meta.offset(x) for x in ("cu_seqlens", "chunk_offsets",
                                                        "chunk_table"))
@@ -249,19 +212,16 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, prepared=None, *, op
     def run(name, grid, inputs, outputs):
         return launch_kernel(L[name], inputs=inputs, outputs=outputs, grid=grid, name=name)
 
-    if prepared is not None:
-        r = dict(zip(PREPARED, prepared))
-    else:
-        # The forward's prepare kernel on the transformed inputs, also storing X.
-        prep = recompute_launch(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work)
-        r = launch_kernel(
-            prep,
-            inputs=dict(q=q, k=k, v=v, g=g, beta=beta, A_log=dummy, dt_bias=dummy, **by_chunk),
-            outputs=dict(w=sds(tk.shape, work), u=sds(tv.shape, work), qg=sds(tk.shape, work),
-                         kt=sds(tk.shape, work), aqk=sds(tt.shape, work),
-                         gl=sds((n_chunks, hv, kd), f32), x=tt,
-                         gc=tk),  # G, read by the kernels below
-            grid=(n_chunks, hv, 1), name="kda_bwd_recompute")
+    # The forward's prepare kernel on the transformed inputs, also storing X.
+    prep = recompute_launch(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work)
+    r = launch_kernel(
+        prep,
+        inputs=dict(q=q, k=k, v=v, g=g, beta=beta, A_log=dummy, dt_bias=dummy, **by_chunk),
+        outputs=dict(w=sds(tk.shape, work), u=sds(tv.shape, work), qg=sds(tk.shape, work),
+                     kt=sds(tk.shape, work), aqk=sds(tt.shape, work),
+                     gl=sds((n_chunks, hv, kd), f32), x=tt,
+                     gc=tk),  # G, read by the kernels below
+        grid=(n_chunks, hv, 1), name="kda_bwd_recompute")
 
     # The state passes' tiling (either form: the fused launch's BK and SPLIT_K
     # are the forward pass's).
@@ -436,42 +396,28 @@ FORWARD_INPUTS = (ROWS,) * 5 + (STATE, HEAD_PARAM, HEAD_PARAM, BOUNDS)
 FORWARD_OUTPUTS = (ROWS, STATE)
 BACKWARD_INPUTS = (PACKED,) * 5 + (STATE, PACKED, STATE, BOUNDS)
 BACKWARD_OUTPUTS = (PACKED,) * 5 + (STATE,)
-# A kept prepare's outputs: tokens (gl: chunks) packed along axis 0.
-KEPT = (PACKED,) * len(PREPARED)
 
 
-def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, segments,
-             keep: KeptPrepare | None = None):
+def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, segments):
     """The forward's launches: partitioned under a sharded jit
     (:mod:`kda_jax.triton.partitioning`), one launch for the mapped batch
-    under jax.vmap (:mod:`kda_jax.triton.batching`). Returns (o, final), and
-    with ``keep`` the prepare's outputs after them (:data:`PREPARED`'s
-    order; None each when no chunk runs)."""
+    under jax.vmap (:mod:`kda_jax.triton.batching`)."""
     def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds):
-        out = chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
-                               bounds=bounds, config=config, segments=segments, keep=keep)
-        if keep is None:
-            return out
-        o, final, p = out
-        return (o, final) + tuple(None if p is None else p[name] for name in PREPARED)
+        return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
+                                bounds=bounds, config=config, segments=segments)
 
-    outs, layouts = ("o", "state"), FORWARD_OUTPUTS
-    if keep is not None:
-        outs, layouts = outs + PREPARED, layouts + KEPT
-    run = foldable(partitioned(run, CALL[:9], outs), FORWARD_INPUTS, layouts)
+    run = foldable(partitioned(run, CALL[:9], ("o", "state")), FORWARD_INPUTS, FORWARD_OUTPUTS)
     return run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds)
 
 
-def _backward_kernels(q, k, v, g, beta, initial_state, do, dht, prepared, opts, bounds, config,
-                      segments):
+def _backward_kernels(q, k, v, g, beta, initial_state, do, dht, opts, bounds, config, segments):
     """:func:`core_backward`; under jax.vmap one launch per kernel for the mapped batch."""
-    def run(q, k, v, g, beta, initial_state, do, dht, bounds, *prepared):
-        return core_backward(q, k, v, g, beta, initial_state, do, dht, prepared or None,
-                             opts=opts, bounds=bounds, config=config, segments=segments)
+    def run(q, k, v, g, beta, initial_state, do, dht, bounds):
+        return core_backward(q, k, v, g, beta, initial_state, do, dht, opts=opts,
+                             bounds=bounds, config=config, segments=segments)
 
-    layouts = BACKWARD_INPUTS + (KEPT if prepared is not None else ())
-    run = foldable(run, layouts, BACKWARD_OUTPUTS)
-    return run(q, k, v, g, beta, initial_state, do, dht, bounds, *(prepared or ()))
+    run = foldable(run, BACKWARD_INPUTS, BACKWARD_OUTPUTS)
+    return run(q, k, v, g, beta, initial_state, do, dht, bounds)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
@@ -483,33 +429,27 @@ def _chunk_kda(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, co
 
 def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, bwd_config,
          segments):
-    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    keep = kept_prepare(q.dtype, opts, config, bwd_config, q.shape[-1])
-    if keep is None:
-        return _forward(*inputs, opts, bounds, config, segments), (inputs, None)
-    o, final, *prepared = _forward(*inputs, opts, bounds, config, segments, keep=keep)
-    return (o, final), (inputs, None if prepared[0] is None else tuple(prepared))
+    out = _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
+                   segments)
+    return out, (q, k, v, g, beta, initial_state, A_log, dt_bias)
 
 
 def _bwd(opts, bounds, config, bwd_config, segments, residuals, cotangents):
     # Partitioned under a sharded jit; under jax.vmap (which has no rule for
     # a custom_partitioning) the plain gradients, whose kernel part folds the
     # mapped axis into one launch.
-    inputs, prepared = residuals
-    run = lambda *args: _grads(*args[:8], *args[9:11], prepared=args[11:] or None, opts=opts,
-                               bounds=args[8], bwd_config=bwd_config, segments=segments)
-    names = GRAD_CALL if prepared is None else GRAD_CALL_PREPARED
-    step = unpartitioned_under_vmap(partitioned(run, names, GRADS, summed=PARAMS), run)
-    return step(*inputs, bounds, *cotangents, *(prepared or ()))
+    run = lambda *args: _grads(*args[:8], *args[9:], opts=opts, bounds=args[8],
+                               bwd_config=bwd_config, segments=segments)
+    step = unpartitioned_under_vmap(partitioned(run, GRAD_CALL, GRADS, summed=PARAMS), run)
+    return step(*residuals, bounds, *cotangents)
 
 
-def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, prepared=None,
-           opts: KdaOptions, bounds: SeqBounds, bwd_config: BackwardConfig,
+def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: KdaOptions,
+           bounds: SeqBounds, bwd_config: BackwardConfig,
            segments: configs.SegmentConfig | None = None):
     """The gradients of q, k, v, g, beta, initial_state, A_log, dt_bias (None
     for an absent one) from the raw inputs and the cotangents ``do`` and
-    ``dht`` (None without a final state); ``prepared``: the forward's kept
-    prepare outputs (:data:`PREPARED`'s order) or None."""
+    ``dht`` (None without a final state)."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
     tokens = b * t
@@ -524,10 +464,8 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, prepared
     if dht is not None:
         state_axes = (slice(None), slice(None), None, None)
         dht = jnp.where(finals[state_axes], jnp.zeros((), dht.dtype), dht)
-    if prepared is not None:
-        prepared = _finite_prepared(prepared, rows)
     dq, dk, dv, dg, dbeta, dh0 = _backward_kernels(tq, tk, tv, tg, tb, initial_state, do, dht,
-                                                   prepared, opts, bounds, bwd_config, segments)
+                                                   opts, bounds, bwd_config, segments)
     # A value head's q/k gradient belongs to its group's q/k head.
     group = lambda x: x.reshape(tokens, h, hv // h, kd).sum(axis=2)
     dq, dk = group(dq), group(dk)
@@ -543,21 +481,6 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, prepared
 
 
 _chunk_kda.defvjp(_fwd, _bwd)
-
-
-def _finite_prepared(prepared: tuple, rows) -> tuple:
-    """The kept prepare outputs with what the forward made NaN zeroed: the
-    rows ``rows`` ``[T, HV]`` of Aqk and qg (the rows from a poisoning token
-    on, and rows whose q was non-finite: the forward NaN's Aqk's, and a
-    non-finite q reaches qg) and the chunks' NaN decay rows gl. Those rows'
-    cotangents are zero; the reverse state pass multiplies them by it, so
-    they must be finite. Everything else the prepare computed from inputs
-    with their non-finite entries zeroed."""
-    r = dict(zip(PREPARED, prepared))
-    for name in ("qg", "aqk"):
-        r[name] = jnp.where(rows[..., None], jnp.zeros((), r[name].dtype), r[name])
-    r["gl"] = jnp.where(jnp.isnan(r["gl"]), jnp.zeros((), r["gl"].dtype), r["gl"])
-    return tuple(r[name] for name in PREPARED)
 
 
 def _vjp_with_flags(opts, q, k, v, g, beta, A_log, dt_bias):

@@ -31,20 +31,8 @@ from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton import state_chain
 from kda_jax.triton.state_args import kernel_states
 
-__all__ = ["KeptPrepare", "chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches",
+__all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches",
            "segmented_launches", "split_state_k", "work_dtype"]
-
-
-class KeptPrepare(NamedTuple):
-    """How a forward under jax.grad keeps its prepare kernel's outputs for the
-    backward (configs.BackwardConfig.save_prepare): the prepare kernel runs
-    at ``config``'s prepare fields (the backward's recompute's, so that the
-    backward sees what it would have recomputed), storing X and G too, and
-    every intermediate is ``work`` (the backward's intermediates' dtype).
-    The state kernel keeps the forward config's fields."""
-
-    config: ForwardConfig
-    work: object
 
 
 def work_dtype(input_dtype, *, interpret: bool = False):
@@ -145,14 +133,9 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                      opts: KdaOptions, bounds, config: ForwardConfig,
                      pool: state_pool.StatePool | None = None,
                      segments: SegmentConfig | None = None,
-                     checkpoint_every: int | None = None, checkpoint_indices=None,
-                     keep: KeptPrepare | None = None):
+                     checkpoint_every: int | None = None, checkpoint_indices=None):
     """Validated inputs in; ``(o, final_state | None)`` out, or ``(o, new_cache)``
-    with a pool (then ``initial_state`` is None). With ``keep`` (no pool, no
-    checkpoints) ``(o, final_state | None, prepared)``: ``prepared`` the
-    prepare kernel's outputs by name (w, u, qg, kt ``[B * T, HV, K]``, u
-    ``[B * T, HV, V]``, aqk and x ``[B * T, HV, BT]``, gc ``[B * T, HV, K]``
-    float32, gl ``[chunks, HV, K]`` float32; None when no chunk runs). ``bounds``: SeqBounds or
+    with a pool (then ``initial_state`` is None). ``bounds``: SeqBounds or
     VarlenBatch (a batch's padded sequence slots already masked in ``pool``).
     ``segments``: the rule that may run the state pass over segments
     (:mod:`kda_jax.triton.state_chain`; host bounds only), None: never.
@@ -186,20 +169,17 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
         if opts.output_final_state:
             final = jnp.zeros(state_shape, f32) if initial_state is None else initial_state
             final = final.astype(f32)
-        if keep is not None:
-            return o, final, None
         if ckpt is None:
             return o, final
         return o, final, jnp.zeros(ckpt.shape.shape, f32)  # no token: no checkpoint
 
-    work = work_dtype(q.dtype, interpret=interpret_mode()) if keep is None else keep.work
-    shapes = dict(h=h, hv=hv, kd=kd, vd=vd, opts=opts, work=work,
-                  has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
-                  has_initial_state=initial_state is not None, indexed_state=indexed,
-                  checkpoint_chunks=0 if ckpt is None else ckpt.chunks)
-    prep, state = forward_launches(config=config, **shapes)
-    if keep is not None:
-        prep, _ = forward_launches(config=keep.config, store_x=True, **shapes)
+    work = work_dtype(q.dtype, interpret=interpret_mode())
+    prep, state = forward_launches(
+        h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work,
+        has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
+        has_initial_state=initial_state is not None, indexed_state=indexed,
+        checkpoint_chunks=0 if ckpt is None else ckpt.chunks,
+    )
     sds = jax.ShapeDtypeStruct
     if empty:
         # Only the state pass runs (it writes the pool's rows); it reads no
@@ -218,11 +198,9 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                 w=sds((tokens, hv, kd), work), u=sds((tokens, hv, vd), work),
                 qg=sds((tokens, hv, kd), work), kt=sds((tokens, hv, kd), work),
                 aqk=sds((tokens, hv, bt), work), gl=sds((meta.chunk_programs, hv, kd), f32),
-                # X: stored only for the backward
-                x=sds((tokens, hv, bt) if keep is not None else (4,), f32),
-                gc=sds((tokens, hv, kd), f32)),  # the kernel's scratch (G with X)
-            grid=(meta.chunk_programs, hv, 1),
-            name="kda_fwd_prepare" if keep is None else "kda_fwd_prepare_kept")
+                x=sds((4,), f32),  # X: not stored in the forward
+                gc=sds((tokens, hv, kd), f32)),  # the kernel's scratch
+            grid=(meta.chunk_programs, hv, 1), name="kda_fwd_prepare")
 
     tables = None
     if segments is not None and not indexed and not empty and ckpt is None:
@@ -235,10 +213,9 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
             split_k=state.constexprs["SPLIT_K"],
             segment_block_v=seg_launches[0].constexprs["BV"])
     if tables is not None:
-        out = _segmented_state_output(p, tables, seg_launches, initial_state, q.dtype, hv=hv,
-                                      kd=kd, vd=vd, b=b, t=t, opts=opts,
-                                      n_chunk_rows=meta.chunk_programs)
-        return out if keep is None else (*out, p)
+        return _segmented_state_output(p, tables, seg_launches, initial_state, q.dtype, hv=hv,
+                                       kd=kd, vd=vd, b=b, t=t, opts=opts,
+                                       n_chunk_rows=meta.chunk_programs)
 
     st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
     if ckpt is None:
@@ -260,8 +237,6 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     if indexed:
         return o, ht
     final = ht if opts.output_final_state else None
-    if keep is not None:
-        return o, final, p
     return (o, final) if ckpt.chunks == 0 else (o, final, out["hc"])
 
 

@@ -50,8 +50,7 @@ from kda_jax.bounds import SeqBounds
 from kda_jax.pool import StatePool
 from kda_jax.triton import host_call
 
-__all__ = ["partitioned", "unpartitioned_under_vmap", "check_auto_axes", "ROLES", "CALL",
-           "GRAD_CALL", "GRAD_CALL_PREPARED", "GRADS", "PARAMS", "PREPARED"]
+__all__ = ["partitioned", "unpartitioned_under_vmap", "check_auto_axes", "ROLES", "CALL", "GRAD_CALL", "GRADS", "PARAMS"]
 
 # The role of each dimension: what it may be sharded with (None: gathered).
 _B = "batch"  # B, the rows
@@ -59,7 +58,6 @@ _N = "sequences"  # a state's sequences: the rows when one sequence per row
 _H = "heads"  # H, q/k heads
 _HV = "value heads"  # HV = H * group: moves with its q/k head
 _HVK = "value heads x K"  # dt_bias [HV * K]: a head's K entries are contiguous
-_P = "rows x tokens"  # tokens (or chunks) packed along axis 0: each row's a block
 
 ROLES = {
     "q": (_B, None, _H, None), "k": (_B, None, _H, None),
@@ -74,22 +72,14 @@ ROLES = {
     # a pool's checkpoint rows [N, J].
     "checkpoints": (_N, _HV, None, None), "checkpoint_indices": (None, None),
 }
-# The prepare kernel's outputs that a forward under jax.grad keeps for the
-# backward (configs.BackwardConfig.save_prepare): tokens packed along axis 0
-# (gl: chunks), heads on axis 1. With one sequence per row a device's rows
-# are a contiguous block of tokens and of chunks, so they shard with the batch.
-PREPARED = ("w", "u", "qg", "kt", "aqk", "gl", "x", "gc")
-ROLES.update({name: (_P, _HV, None) for name in PREPARED})
 
 # The kernel-level calls' positional arguments: the forward and the decode
 # launch (q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool), and
 # the backward (the forward's first nine, then the cotangents of o and of the
-# final state) with its gradients (PARAMS: sums over the rows); with a kept
-# prepare, the backward takes its outputs after the cotangents.
+# final state) with its gradients (PARAMS: sums over the rows).
 CALL = ("q", "k", "v", "g", "beta", "state", "A_log", "dt_bias", "bounds", "pool")
 GRAD_CALL = CALL[:9] + ("o", "state")
 GRADS = CALL[:8]
-GRAD_CALL_PREPARED = GRAD_CALL + PREPARED
 PARAMS = ("A_log", "dt_bias")
 
 
@@ -213,7 +203,7 @@ def _plan(spec: _Spec, mesh, arg_shapes) -> tuple[tuple, tuple]:
 def _sharding(mesh, roles: tuple, rows: bool, batch: tuple, heads: tuple) -> NamedSharding:
     def entry(role):
         axes = ()
-        if role in (_B, _P) or (role == _N and rows):
+        if role == _B or (role == _N and rows):
             axes = batch
         elif role in (_H, _HV, _HVK):
             axes = heads
@@ -259,20 +249,9 @@ def _rule(spec, mesh, operand_types, result_types):
     sizes, replicated = {}, ["b"] if not spec.rows else []
     counter = iter(range(1 << 30))
 
-    def factor(role, size):
+    def factor(role):
         if role == _B or (role == _N and spec.rows):
             return "b"
-        if role == _P:
-            # (b, per row) as a compound factor, the per-row part its own (a
-            # compound factor may not hold a factor of size 1).
-            if size == spec.b:
-                return "b"
-            name = f"r{next(counter)}"
-            replicated.append(name)
-            if spec.b == 1:
-                return name
-            sizes[name] = size // spec.b
-            return f"(b {name})"
         if role == _H:
             return "h"
         if role in (_HV, _HVK):
@@ -288,12 +267,8 @@ def _rule(spec, mesh, operand_types, result_types):
         replicated.append(name)
         return name
 
-    def side(roles, types):
-        return ", ".join(" ".join(factor(r, d) for r, d in zip(leaf, t.shape))
-                         for leaf, t in zip(roles, types))
-
-    text = (f"{side(spec.roles, operand_types)} -> "
-            f"{side([r for r, _ in spec.found['outs']], result_types)}")
+    side = lambda roles: ", ".join(" ".join(factor(r) for r in leaf) for leaf in roles)
+    text = f"{side(spec.roles)} -> {side([r for r, _ in spec.found['outs']])}"
     return text, dict(need_replication_factors=tuple(replicated), **sizes)
 
 
