@@ -41,13 +41,14 @@ GRIDS = {
     "recompute": [{}, dict(prepare_block_k=32), dict(prepare_block_k=32, inverse_dot="tf32"),
                   dict(inverse_dot="tf32")],
     "intra": [{}, dict(intra_block_k=32, intra_warps=8)],
-    # The recompute at the forward's product precisions (tf32 Aqk, Akk and
-    # inverse merge, bf16 w and u), then also at the forward's launch config.
+    # The recompute's precisions: sm90's (the forward's, since f830c56) against
+    # split-bf16 Akk/Aqk and merge with tf32x3 w/u, at the shipped launch and at
+    # the launch of before (4 warps, one stage, Aqk and Akk in a pass each).
     "recompute_precision": [
         {},
-        dict(prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32"),
-        dict(prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32", prepare_warps=8,
-             prepare_stages=3, prepare_split=False),
+        dict(prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3"),
+        dict(prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
+             prepare_warps=4, prepare_stages=1, prepare_split=True),
     ],
     # The two state passes: a launch each or one launch, and their stages
     # (at 2 the reverse pass's pipelined tiles take 124 KiB of shared memory
