@@ -35,7 +35,8 @@ kernel's error; ``--fit REV`` fits to those trees only (the others are predictio
 ``--tree`` compiles another source tree (``git archive REV kda_jax kernels``) beside the
 working tree, kernel by kernel: the comparison shows what moved the estimate.
 Untaken code: a tree whose kernels branch on the data (before 05e146c) runs only some of
-its loops on a given input; ``--untaken FILE:LINE`` sets a loop's trips to zero.
+its code on a given input; ``--untaken TREE=FILE:LINE`` names a `for` line (that loop runs
+no trip) or a function's `def` line (its inlined code and loops count nothing).
 """
 
 from __future__ import annotations
