@@ -102,8 +102,6 @@ class ForwardConfig:
     prepare_block_k_fp32: int = 64
     prepare_warps: int = 4
     prepare_stages: int = 1
-    prepare_warps_fp32: int = 4
-    prepare_stages_fp32: int = 1
     prepare_split: bool = False
     prepare_split_fp32: bool = False
     prepare_dot: str = "ieee"
@@ -327,7 +325,6 @@ class RecurrentConfig:
             raise ValueError(f"stages={self.stages!r} must be >= 1")
 
 
-
 # A [128, 32] fp32 tile over 128 lanes is 32 values per lane (64 at K = 256).
 # One sentence each on why; measurements in docs/tuning.md ("Decode").
 RECURRENT = {
@@ -505,11 +502,9 @@ class BackwardConfig:
                           "inter_block_k", "inter_block_v", "inter_block_v_fp32", "wy_block_k",
                           "wy_block_v", "intra_block_k"),
             warps=("prepare_warps", "prepare_warps_fp32", "state_warps", "state_warps_wide",
-                   "inter_warps",
-                   "wy_warps", "intra_warps"),
+                   "inter_warps", "wy_warps", "intra_warps"),
             stages=("prepare_stages", "prepare_stages_fp32", "state_stages", "state_stages_fp32",
-                    "dstate_stages",
-                    "dstate_stages_fp32"),
+                    "dstate_stages", "dstate_stages_fp32"),
             dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "prepare_dot_fp32", "wy_dot",
                   "wy_dot_fp32", "product_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
