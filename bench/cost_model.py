@@ -34,6 +34,9 @@ Nsight Compute durations of ``bench/results/h100-kernel-times.json`` and prints 
 kernel's error; ``--fit REV`` fits to those trees only (the others are predictions).
 ``--tree`` compiles another source tree (``git archive REV kda_jax kernels``) beside the
 working tree, kernel by kernel: the comparison shows what moved the estimate.
+``--variant FIELD=VALUE[+backward.FIELD=VALUE...]`` models the working tree with those
+fields of its sm90 ForwardConfig / BackwardConfig changed (as bench.sweep's
+``triton:FIELD=VALUE`` rows time them): a config change's estimate before its timing.
 Untaken code: a tree whose kernels branch on the data (before 05e146c) runs only some of
 its code on a given input; ``--untaken TREE=FILE:LINE`` names a `for` line (that loop runs
 no trip) or a function's `def` line (its inlined code and loops count nothing).
@@ -495,23 +498,47 @@ def fit(rows: list[dict]) -> float:
 # Compiling the kernels of a tree.
 # --------------------------------------------------------------------------- #
 
-def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = False) -> dict:
+# Applied in the child before it compiles: the sm90 configs with a variant's fields changed
+# (KDA_COST_CHANGES, "FIELD=VALUE+backward.FIELD=VALUE"; values as bench.sweep reads them).
+_CHANGES = r"""
+import dataclasses
+from kda_jax import configs
+from bench.sweep import _value_of
+fields = {"forward": {}, "backward": {}}
+for change in filter(None, os.environ.get("KDA_COST_CHANGES", "").split("+")):
+    name, _, text = change.partition("=")
+    owner, _, field = name.rpartition(".")
+    fields[owner or "forward"][field] = _value_of(text)
+for table in (configs.FORWARD, configs.FORWARD_C32):
+    table["sm90"] = dataclasses.replace(table["sm90"], **fields["forward"])
+for table in (configs.BACKWARD, configs.BACKWARD_C32):
+    table["sm90"] = dataclasses.replace(table["sm90"], **fields["backward"])
+"""
+
+
+def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = False,
+                   changes: str = "") -> dict:
     """Compiles ``kernel`` of the tree in a child process (its own kda_jax); returns the
-    SASS and the launch fields. ``reuse``: an earlier compile's files at ``out``."""
+    SASS and the launch fields. ``reuse``: an earlier compile's files at ``out``.
+    ``changes``: sm90 config fields to change first (``--variant``)."""
     if reuse and os.path.exists(out + ".sass") and os.path.exists(out + ".json"):
         row = json.load(open(out + ".json"))
         row["sass"] = open(out + ".sass").read()
         return row
     # A cache of its own per tree: a cached binary of equal source would carry another
     # tree's file names and line numbers.
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree),
-               TRITON_CACHE_DIR=out.rsplit("-", 1)[0] + ".triton-cache")
+    # (bench.sweep, for a variant's values, from the working tree behind the tree's own.)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.getcwd()]),
+               TRITON_CACHE_DIR=out.rsplit("-", 1)[0] + ".triton-cache",
+               KDA_COST_CHANGES=changes)
     env.pop("TRITON_INTERPRET", None)
     code = _COMPILE.replace(
         'json.dump({k: row[k] for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", '
         '"error")},',
         'json.dump({k: row.get(k) for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", '
         '"error", "constexprs", "num_warps", "num_stages")},')
+    if changes:
+        code = code.replace("from kda_jax import aot\n", "from kda_jax import aot\n" + _CHANGES)
     subprocess.run([sys.executable, "-c", code, kernel, spec, out], env=env, check=True,
                    cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
     row = json.load(open(out + ".json"))
@@ -522,8 +549,9 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
 
 
 def model_kernel(tree: str, kernel: str, shape: tuple, out: str,
-                 untaken: set[str] = frozenset(), reuse: bool = False) -> dict:
-    row = compile_kernel(tree, kernel, "main/c64/default", out, reuse)
+                 untaken: set[str] = frozenset(), reuse: bool = False,
+                 changes: str = "") -> dict:
+    row = compile_kernel(tree, kernel, "main/c64/default", out, reuse, changes)
     instrs, loops = parse(row["sass"])
     c = row["constexprs"] or {}
     values = shape_values(*shape, bt=c.get("BT", 64))
@@ -534,24 +562,27 @@ def model_kernel(tree: str, kernel: str, shape: tuple, out: str,
     counts["warp_cycles"] = region_cycles(taken, kept_loops, kept_trips)
     launch = dict(programs=grid(kernel, c, values), warps=row["num_warps"],
                   regs=row["vgprs"], smem=row["lds_bytes"] or 0)
-    return dict(kernel=kernel, tree=tree, counts=counts, loops=table, launch=launch,
+    return dict(kernel=kernel, tree=tree + (f":{changes}" if changes else ""), counts=counts,
+                loops=table, launch=launch,
                 spills=row["vgpr_spills"], instructions=len(instrs))
 
 
 def report(rows: list[dict], overlap: float) -> str:
     lines = [f"overlap {overlap:.2f}"]
-    head = (f"{'kernel':28s} {'tree':18s} {'est us':>8s} {'meas us':>8s} {'ratio':>6s} "
+    names = [os.path.basename(r["tree"].rstrip("/")) or "." for r in rows]
+    width = max([18] + [len(n) for n in names])
+    head = (f"{'kernel':28s} {'tree':{width}s} {'est us':>8s} {'meas us':>8s} {'ratio':>6s} "
             f"{'bound':8s} {'occ':>3s} {'waves':>5s}  per warp: instr  tensor  fp32  sfu  "
             f"int  shfl  smem  bar")
     lines.append(head)
-    for r in rows:
+    for r, name in zip(rows, names):
         e = estimate(r["counts"], overlap=overlap, **r["launch"])
         r["estimate"] = e
         m = r.get("measured_us")
         n = r["counts"]
         total = sum(n[k] for k in SM90["issue"])
         lines.append(
-            f"{r['kernel'][:28]:28s} {os.path.basename(r['tree'].rstrip('/')) or '.':18s} "
+            f"{r['kernel'][:28]:28s} {name:{width}s} "
             f"{e['us']:8.1f} {m if m is not None else float('nan'):8.1f} "
             f"{(e['us'] / m) if m else float('nan'):6.2f} {e['bound']:8s} {e['occupancy']:3d} "
             f"{e['waves']:5d}  {total:9.0f} {n['tensor']:6.0f} {n['fp32']:6.0f} "
@@ -565,6 +596,9 @@ def main(argv=None):
     p.add_argument("--shape", default="1,8192,32", help="B,T,H (K = V = 128, chunk 64)")
     p.add_argument("--tree", action="append", default=[],
                    help="another source tree (git archive REV kda_jax kernels) to model")
+    p.add_argument("--variant", action="append", default=[],
+                   help="FIELD=VALUE[+backward.FIELD=VALUE]: the working tree with these sm90 "
+                        "config fields changed (repeatable)")
     p.add_argument("--kernels", default=",".join(FORWARD + BACKWARD))
     p.add_argument("--measured", help="per-kernel durations to compare with and fit "
                    "(bench/results/h100-kernel-times.json)")
@@ -595,18 +629,20 @@ def main(argv=None):
             if rev in by_rev:
                 measured[os.path.normpath(tree)] = by_rev[rev]
     rows = []
-    for i, tree in enumerate(["."] + args.tree):
+    entries = [(t, "") for t in ["."] + args.tree] + [(".", v) for v in args.variant]
+    for tree, changes in entries:
         name = os.path.normpath(tree)
+        label = name + (f":{changes}" if changes else "")
         for kernel in args.kernels.split(","):
-            out = os.path.join(args.out, f"{name.replace('/', '_')}-{kernel}")
+            out = os.path.join(args.out, re.sub(r"[^\w.=+-]", "_", label) + f"-{kernel}")
             src = os.path.abspath(tree)
             # (The SASS names the sources through the package's kernels link.)
             skip = {w if w.startswith("/") else os.path.join(src, "kda_jax", "kernels", w)
                     for w in untaken.get(name, ())}
-            r = model_kernel(tree, kernel, shape, out, skip, args.reuse)
-            r["measured_us"] = measured.get(name, {}).get(kernel)
+            r = model_kernel(tree, kernel, shape, out, skip, args.reuse, changes)
+            r["measured_us"] = None if changes else measured.get(name, {}).get(kernel)
             rows.append(r)
-            print(f"compiled {kernel} ({name})", file=sys.stderr)
+            print(f"compiled {kernel} ({label})", file=sys.stderr)
     overlap = args.overlap
     if overlap is None:
         fitted = {os.path.normpath(t) for t in args.fit} if args.fit else None

@@ -442,8 +442,9 @@ class BackwardConfig:
       products.
     intra_block_k / intra_warps: the products' backward (grid chunks x heads
       x K blocks).
-    product_dot: precision of the products' backward in the intra kernel
-      (see ForwardConfig.prepare_dot).
+    product_dot / product_dot_fp32: precision of the products' backward in the
+      intra kernel with 16-bit / float32 intermediates (see
+      ForwardConfig.prepare_dot).
     fp32_dot: precision of the state passes' and the inter kernel's products
       when the intermediates are float32 (16-bit ones multiply exactly).
     gate_fp32_max_k: with the in-kernel gate (use_gate_in_kernel), 16-bit
@@ -493,6 +494,7 @@ class BackwardConfig:
     intra_block_k: int = 32
     intra_warps: int = 4
     product_dot: str = "ieee"
+    product_dot_fp32: str = "ieee"
     fp32_dot: str = "ieee"
     gate_fp32_max_k: int = 256
 
@@ -506,7 +508,7 @@ class BackwardConfig:
             stages=("prepare_stages", "prepare_stages_fp32", "state_stages", "state_stages_fp32",
                     "dstate_stages", "dstate_stages_fp32"),
             dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "prepare_dot_fp32", "wy_dot",
-                  "wy_dot_fp32", "product_dot", "fp32_dot"))
+                  "wy_dot_fp32", "product_dot", "product_dot_fp32", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
         for name in ("dstate_split_k", "prepare_split", "prepare_split_fp32",
@@ -548,7 +550,8 @@ BACKWARD = {
         state_passes_fused_fp32=False,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
+        intra_block_k=32, intra_warps=8, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        fp32_dot="tf32x3",
         gate_fp32_max_k=128),
     # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
     # w/u included); float32 intermediates keep "ieee" in the state passes and
@@ -568,7 +571,8 @@ BACKWARD = {
         state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
+        intra_block_k=16, intra_warps=4, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        fp32_dot="ieee",
         gate_fp32_max_k=256),
     # 64 KiB of LDS fits the state passes at one stage and 4 waves; the intra
     # kernel takes 16-wide K blocks (32 spill a VGPR), the wy kernel 16 x 16
@@ -586,7 +590,8 @@ BACKWARD = {
         state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="ieee",
+        intra_block_k=16, intra_warps=8, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        fp32_dot="ieee",
         gate_fp32_max_k=128),
     # Wave32: twice gfx950's warps for the recompute; the wy kernel at 16
     # warps and 32 x 64 blocks, where its halved X^T products fit 150 VGPRs
@@ -604,7 +609,8 @@ BACKWARD = {
         state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=64, wy_warps=16, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=4, product_dot="bf16x3", fp32_dot="ieee",
+        intra_block_k=16, intra_warps=4, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        fp32_dot="ieee",
         gate_fp32_max_k=256),
     # Any other GPU: fp32 products, moderate tiles.
     "default": BackwardConfig(
@@ -617,7 +623,8 @@ BACKWARD = {
         state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=4, product_dot="ieee", fp32_dot="ieee",
+        intra_block_k=32, intra_warps=4, product_dot="ieee", product_dot_fp32="ieee",
+        fp32_dot="ieee",
         gate_fp32_max_k=256),
 }
 BACKWARD_C32 = {
@@ -639,7 +646,8 @@ BACKWARD_C32 = {
         state_passes_fused_fp32=False,
         inter_block_k=16, inter_block_v=16, inter_block_v_fp32=16, inter_warps=4,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=8, product_dot="bf16x3", fp32_dot="tf32x3",
+        intra_block_k=16, intra_warps=8, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        fp32_dot="tf32x3",
         gate_fp32_max_k=64),
     # As at chunk 64.
     "gfx950": BACKWARD["gfx950"],

@@ -97,3 +97,27 @@ def test_occupancy_and_estimate():
     two = cm.estimate(counts, programs=4 * 132, warps=4, regs=255, smem=0, overlap=1.0)
     assert one["waves"] == 1 and two["waves"] == 2 and two["us"] > one["us"]
     assert one["bound"] == "latency"
+
+
+def test_variant_changes_the_sm90_configs(monkeypatch):
+    """--variant: the child's prelude changes the named sm90 fields, forward and
+    backward, at both chunk sizes, and nothing else."""
+    import dataclasses
+    import os
+
+    from kda_jax import configs
+
+    saved = {id(t): dict(t) for t in (configs.FORWARD, configs.FORWARD_C32, configs.BACKWARD,
+                                      configs.BACKWARD_C32)}
+    before_fwd, before_bwd = configs.FORWARD["sm90"], configs.BACKWARD_C32["sm90"]
+    monkeypatch.setenv("KDA_COST_CHANGES", "prepare_block_k=32+backward.product_dot=tf32")
+    try:
+        exec(cm._CHANGES, {"os": os})
+        assert configs.FORWARD["sm90"] == dataclasses.replace(before_fwd, prepare_block_k=32)
+        assert configs.BACKWARD_C32["sm90"] == dataclasses.replace(before_bwd,
+                                                                   product_dot="tf32")
+        assert configs.FORWARD["gfx950"] is saved[id(configs.FORWARD)]["gfx950"]
+    finally:
+        for table in (configs.FORWARD, configs.FORWARD_C32, configs.BACKWARD,
+                      configs.BACKWARD_C32):
+            table.update(saved[id(table)])

@@ -169,8 +169,9 @@ def test_gate_grads_meet_fp32_bar_with_fp32_grade_products(name, check_rel_rms):
     make_kw, call_kw, chunk, wrt = CASES[name]
     x = make_inputs(17, **make_kw)
     w_o, w_f = _weights(x, call_kw)
+    mode = "tf32x3" if ON_GPU else "ieee"
     precise = dataclasses.replace(configs.backward_config(chunk_size=chunk),
-                                  product_dot="tf32x3" if ON_GPU else "ieee")
+                                  product_dot=mode, product_dot_fp32=mode)
     with configs.override_backward(precise):
         ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
     failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
@@ -221,8 +222,9 @@ def test_intra_k_blocks_match_reference(gate_floor, check_rel_rms):
     x = make_inputs(21, T=75, H=1, HV=2, K=48, V=16, N=3, gate_floor=gate_floor)
     call_kw = dict(cu_seqlens=np.array([0, 7, 7, 75]))
     w_o, w_f = _weights(x, call_kw, seed=5)
+    mode = "tf32x3" if ON_GPU else "ieee"
     looped = dataclasses.replace(configs.backward_config(chunk_size=32), intra_block_k=32,
-                                 product_dot="tf32x3" if ON_GPU else "ieee")
+                                 product_dot=mode, product_dot_fp32=mode)
     with configs.override_backward(looped):
         ref, got, params = _grads(x, call_kw, 32, ALL, w_o, w_f)
     tol = TOL if gate_floor is None else TOLERANCES["float32-extreme-gates"]["rel_rms"]

@@ -114,7 +114,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     # the reverse pass too unless the config says otherwise.
     split = split_state_k(work, kd)
     split_rev = split and config.dstate_split_k
-    dot_a = dot_code(config.product_dot)
+    dot_a = dot_code(config.product_dot if sixteen_bit else config.product_dot_fp32)
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
     # take fp32_dot.
