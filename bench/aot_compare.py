@@ -1,9 +1,9 @@
-"""Before/after of two AOT reports (``python -m kda_jax.aot``) per kernel and target.
+"""Before/after of two AOT reports (``python -m bench.aot``) per kernel and target.
 
     python -m bench.aot_compare BEFORE AFTER [--targets gfx950,gfx1250,gfx942]
         [--spec main/c64/default] [--json bench/results/aot-amd-before-after.json]
 
-BEFORE and AFTER are files written by ``kda_jax.aot --summary`` or ``--json``, or
+BEFORE and AFTER are files written by ``bench.aot --summary`` or ``--json``, or
 ``REV:PATH`` for a committed one (read with ``git show``), e.g.
 ``1cee4c3:bench/results/aot-summary.json``. For each kernel and target at the spec: matrix
 instructions by opcode per program, estimated matrix-core cycles, VGPRs, LDS, occupancy and

@@ -4,7 +4,7 @@ the CPU: what a design costs before the GPU times it.
     python -m bench.cost_model [--shape 1,8192,32] [--tree DIR ...] [--kernels ...]
                                [--measured PATH] [--json PATH]
 
-Each kernel is compiled as `python -m kda_jax.aot` compiles it (main spec: bf16, K = V =
+Each kernel is compiled as `python -m bench.aot` compiles it (main spec: bf16, K = V =
 128, chunk 64; Triton's bundled ptxas; the SASS with source lines from nvdisasm). Then:
 
 1. **Instructions per warp at the shape.** Every loop of the SASS (a backward branch) is
@@ -32,8 +32,9 @@ The constants are sm90's published rates and typical latencies (:data:`SM90`); t
 overlap of latencies is the one fitted number (:func:`fit`). ``--measured`` takes the
 Nsight Compute durations of ``bench/results/h100-kernel-times.json`` and prints each
 kernel's error; ``--fit REV`` fits to those trees only (the others are predictions).
-``--tree`` compiles another source tree (``git archive REV kda_jax kernels``) beside the
-working tree, kernel by kernel: the comparison shows what moved the estimate.
+``--tree`` compiles another source tree (``git archive REV kda_jax``; ``kda_jax kernels``
+for a revision with the kernels outside the package) beside the working tree, kernel by
+kernel: the comparison shows what moved the estimate.
 ``--variant FIELD=VALUE[+backward.FIELD=VALUE...]`` models the working tree with those
 fields of its sm90 ForwardConfig / BackwardConfig changed (as bench.sweep's
 ``triton:FIELD=VALUE`` rows time them): a config change's estimate before its timing.
@@ -538,7 +539,7 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
         'json.dump({k: row.get(k) for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", '
         '"error", "constexprs", "num_warps", "num_stages")},')
     if changes:
-        code = code.replace("from kda_jax import aot\n", "from kda_jax import aot\n" + _CHANGES)
+        code = code.replace("# (config changes)\n", _CHANGES)
     subprocess.run([sys.executable, "-c", code, kernel, spec, out], env=env, check=True,
                    cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
     row = json.load(open(out + ".json"))
@@ -595,7 +596,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="1,8192,32", help="B,T,H (K = V = 128, chunk 64)")
     p.add_argument("--tree", action="append", default=[],
-                   help="another source tree (git archive REV kda_jax kernels) to model")
+                   help="another source tree (git archive REV kda_jax [kernels]) to model")
     p.add_argument("--variant", action="append", default=[],
                    help="FIELD=VALUE[+backward.FIELD=VALUE]: the working tree with these sm90 "
                         "config fields changed (repeatable)")
@@ -636,7 +637,7 @@ def main(argv=None):
         for kernel in args.kernels.split(","):
             out = os.path.join(args.out, re.sub(r"[^\w.=+-]", "_", label) + f"-{kernel}")
             src = os.path.abspath(tree)
-            # (The SASS names the sources through the package's kernels link.)
+            # (The SASS names the sources by their path in the package.)
             skip = {w if w.startswith("/") else os.path.join(src, "kda_jax", "kernels", w)
                     for w in untaken.get(name, ())}
             r = model_kernel(tree, kernel, shape, out, skip, args.reuse, changes)

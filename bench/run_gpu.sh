@@ -41,7 +41,7 @@
 #   GATES       the sweeps' gate regimes (bench.inputs; default "init softplus layer mild strong"): one JSON
 #               per benchmark holds them all, each row with its "gates"
 #   LAYER_GATES bench.layer's gate forms (default "softplus safe")
-#   BASELINE    optional: a kda_jax source tree (`git archive REV kda_jax kernels | tar -x -C
+#   BASELINE    optional: a kda_jax source tree (`git archive REV kda_jax | tar -x -C
 #               DIR`, DIR named by REV, carried to the machine) whose Triton path the forward
 #               and backward sweeps also time, as implementation "tree:DIR" (bench/sweep.py)
 #   SHAPES      "B,T,H;B,T,H": these rows instead of the dense sweep (forward, backward)

@@ -4,12 +4,13 @@ instructions among them), and the straight-line rest.
 
     python -m bench.sass_loops KERNEL [--spec main/c64/default] [--tree DIR ...]
 
-KERNEL is one of kda_jax.aot's kernels (kda_fwd_prepare_kernel, kda_bwd_recompute, ...),
-compiled as `python -m kda_jax.aot` compiles it (Triton's bundled ptxas; nvdisasm -g for
-the source lines). Each --tree (a source tree made with `git archive REV kda_jax kernels`)
-is compiled the same way and shown beside the working tree's, so a change's cost per
-iteration is visible before it is timed. A loop is a backward branch; it is named by the
-source line of that branch, and its trip count is the reader's (K / BK for a K-slice loop).
+KERNEL is one of bench.aot's kernels (kda_fwd_prepare_kernel, kda_bwd_recompute, ...),
+compiled as `python -m bench.aot` compiles it (Triton's bundled ptxas; nvdisasm -g for
+the source lines). Each --tree (a source tree made with `git archive REV kda_jax`, and
+`kernels` too for a revision with the kernels outside the package) is compiled the same
+way and shown beside the working tree's, so a change's cost per iteration is visible
+before it is timed. A loop is a backward branch; it is named by the source line of that
+branch, and its trip count is the reader's (K / BK for a K-slice loop).
 Counts, not times: where a kernel is latency-bound (one or two programs per SM), the
 instructions and barriers of its loops are its critical path (docs/tuning.md, "The
 prepare's instructions").
@@ -33,7 +34,11 @@ _COMPILE = r"""
 import json, os, subprocess, sys
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
-from kda_jax import aot
+try:
+    from kda_jax import aot  # a source tree from before the compile report left the package
+except ImportError:
+    from bench import aot
+# (config changes)
 kernel, spec_name, out = sys.argv[1:4]
 captured = {}
 compile_ = triton.compile

@@ -57,8 +57,8 @@ def add_arguments(p):
 SEGMENT_VARIANTS = ("triton-noseg", "triton-seq")
 
 # "tree:PATH" times the Triton path of another kda_jax source tree (PATH holds
-# kda_jax/ with its kernels, e.g. from `git archive REV kda_jax kernels | tar -x
-# -C PATH`) in the same run: the same benchmark module in a child process with
+# kda_jax/ with its kernels, e.g. from `git archive REV kda_jax | tar -x -C PATH`,
+# `kda_jax kernels` for a revision with the kernels outside the package) in the same run: the same benchmark module in a child process with
 # PATH first on sys.path (two kda_jax versions cannot share a process). It
 # keeps a replaced kernel design comparable with its successor in one run.
 TREE = "tree:"
@@ -72,7 +72,7 @@ def implementation(impl: str, segment_chunks: int | None = None):
         path = impl[len(TREE):]
         if not os.path.isfile(os.path.join(path, "kda_jax", "__init__.py")):
             raise ValueError(f"{impl!r}: {path!r} holds no kda_jax/ source tree (make one with "
-                             "`git archive REV kda_jax kernels | tar -x -C PATH`)")
+                             "`git archive REV kda_jax | tar -x -C PATH`)")
         return impl, contextlib.nullcontext()
     if impl.startswith("triton@"):
         return "triton", _arch_configs(impl.split("@", 1)[1])

@@ -713,7 +713,7 @@ class SegmentConfig:
       block and warps (None, float32 inputs and masked V columns:
       ForwardConfig's, as the one pass).
     map_block_v / map_warps / map_stages: the forward's map kernel: its
-      column block, warps and pipeline stages (kernels/segments.py; None:
+      column block, warps and pipeline stages (kda_jax/kernels/segments.py; None:
       those of the forward's state pass over segments). The backward's map
       takes its state pass's.
     fold_dot: the fold kernel's product precision (float32 states and maps;
@@ -794,7 +794,7 @@ class SegmentConfig:
 # The segmented state passes keep three stages: at one (three blocks per SM)
 # the forward was 14-46 % slower.
 # The AMD targets and other GPUs: off until measured there (force it with
-# override_segments; the kernels compile for every target, kda_jax.aot). The
+# override_segments; the kernels compile for every target, bench.aot). The
 # fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5 relative, as
 # their float32 state passes' products, ForwardConfig.fp32_dot), ieee elsewhere;
 # the AMD targets read the maps in 16-column slices (at 32, bf16x3 products

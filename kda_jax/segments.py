@@ -156,7 +156,7 @@ def segment_plan(bounds: SeqBounds, chunk_size: int, per_segment: int) -> Segmen
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SegmentTables:
-    """A plan's tables for the Triton state chain (kernels/segments.py).
+    """A plan's tables for the Triton state chain (kda_jax/kernels/segments.py).
 
     Attributes:
       plan: the :class:`SegmentPlan`.

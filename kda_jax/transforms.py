@@ -2,7 +2,7 @@
 
 Shared by the reference, the XLA path and the Triton backward (which
 differentiates them). The kernels compute the same formulas with the same
-constants in Triton (``kernels/gate.py``, whose docstring lists the two side
+constants in Triton (``kda_jax/kernels/gate.py``, whose docstring lists the two side
 by side; tests/test_gate_forms.py checks that they agree).
 
 Numerics of the log-decay. A per-token log-decay below about -103.3 already

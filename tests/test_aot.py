@@ -1,10 +1,10 @@
-"""Ahead-of-time compile (kda_jax.aot): no GPU needed."""
+"""Ahead-of-time compile (bench.aot): no GPU needed."""
 
 import pytest
 
 pytest.importorskip("triton")
 
-from kda_jax import aot  # noqa: E402
+from bench import aot  # noqa: E402
 
 SPEC = {s.name: s for s in aot.SPECS}["main/c32/default"]
 KERNEL = "kda_fwd_state_output_kernel"
@@ -55,7 +55,7 @@ def test_compile_reports_matrix_ops(rows, target):
 
 
 def test_one_spec_compiles_the_bf16_state_pool():
-    # The pool kernels' rounding store (kernels/state_io._rounded) compiles at
+    # The pool kernels' rounding store (kda_jax/kernels/state_io._rounded) compiles at
     # one existing spec: no extra rows. main/c32/all keeps the float32 forms.
     by_name = {s.name: s for s in aot.SPECS}
     assert [s.name for s in aot.SPECS if s.state != "fp32"] == ["main/c64/all/bf16-pool"]
@@ -69,11 +69,11 @@ def test_one_spec_compiles_the_bf16_state_pool():
 
 
 # --------------------------------------------------------------------------- #
-# The matrix-op parser, loop trip counts and costs (kda_jax.aot_isa), on small
+# The matrix-op parser, loop trip counts and costs (bench.aot_isa), on small
 # hand-written assembly in the form LLVM prints.
 # --------------------------------------------------------------------------- #
 
-from kda_jax import aot_isa  # noqa: E402
+from bench import aot_isa  # noqa: E402
 
 # A kernel source with one constexpr loop and one runtime loop.
 _SRC = '''\

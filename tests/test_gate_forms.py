@@ -1,4 +1,4 @@
-"""The in-kernel gate in Triton (kernels/gate.py) and in JAX
+"""The in-kernel gate in Triton (kda_jax/kernels/gate.py) and in JAX
 (kda_jax.transforms) agree: the same constants, and the same log-decay for
 every form on hostile inputs (+-inf, +-3e38, the branch edges of the
 log-softplus, A_log far past exp's range). Interpreter on a CPU, native on a GPU.

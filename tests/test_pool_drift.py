@@ -4,7 +4,7 @@ step's o within the pool dtype's tolerance of the float32 pool's o, the final
 states too, and no growth of the difference over the steps.
 
 The XLA path runs 4096 steps; the Triton kernels (in Triton's interpreter
-without a GPU, whose bfloat16 store rounds in kernels/state_io._rounded) run
+without a GPU, whose bfloat16 store rounds in kda_jax/kernels/state_io._rounded) run
 fewer.
 """
 

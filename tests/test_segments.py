@@ -1,7 +1,7 @@
 """The segmented schedule: host plans and tables (kda_jax.segments), the rule,
 and chunk_kda with segments forced on small shapes against the float32
 reference and the unsegmented call, forward and gradients: the Triton path's
-state chain (kda_jax.triton.state_chain, kernels/segments.py; interpreter on
+state chain (kda_jax.triton.state_chain, kda_jax/kernels/segments.py; interpreter on
 the CPU) and the XLA path's composition (kda_jax.segmented)."""
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def test_verify_equals_sequential_decodes(fn, impl, drafts, lens, acc, check_clo
     ro, r_after = _reference_states(x, cu, h0)
     # The Triton kernel takes the state's two reductions over K in one pass
     # when every sequence has the same length, in sequence when bounds are
-    # loaded (kernels/fused_recurrent.py): varlen verifies then differ from
+    # loaded (kda_jax/kernels/fused_recurrent.py): varlen verifies then differ from
     # one-token decodes by float32 rounding only.
     # XLA promises the same bits only on the CPU: on a GPU its fusions of the
     # verify's token scan and of a one-token step contract multiplies and adds

@@ -96,7 +96,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     by kernel name (in launch order): the two state passes (a launch each,
     or kda_bwd_state_passes_kernel alone where the config fuses them), then
     the three per-chunk kernels. The one place their constexprs are derived:
-    :func:`core_backward` launches with them, :mod:`kda_jax.aot` compiles
+    :func:`core_backward` launches with them, :mod:`bench.aot` compiles
     with them."""
     bt = opts.chunk_size
     sixteen_bit = jnp.dtype(work).itemsize == 2
@@ -294,7 +294,7 @@ def segmented_backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaO
     zero storing only each segment's start cotangent), ``dstate`` (the
     reverse pass from each segment's end cotangent), ``chain`` (map and
     folds, :mod:`kda_jax.triton.state_chain`). States K-first. The glue
-    launches with them and :mod:`kda_jax.aot` compiles them."""
+    launches with them and :mod:`bench.aot` compiles them."""
     seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
     config = dataclasses.replace(config, state_passes_fused=False, state_passes_fused_fp32=False)
     L = backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,

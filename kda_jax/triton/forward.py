@@ -53,7 +53,7 @@ def split_state_k(work, kd: int) -> bool:
     tf32 parts in registers (tf32x3 on sm90): with [64, 128] float32 tiles
     they spilled 264-1188 bytes on sm90 at every V block (16, 32), warp count
     (4, 8) and stage count (1, 2) tried; in K halves they compile without
-    spills (kda_jax.aot). 16-bit intermediates keep one tile (unchanged code)."""
+    spills (bench.aot). 16-bit intermediates keep one tile (unchanged code)."""
     return jnp.dtype(work).itemsize != 2 and next_pow2(max(kd, 16)) >= 128
 
 
@@ -70,7 +70,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     every this-many-th chunk (prefill checkpoints; 0: none).
 
     The one place the constexprs are derived: :func:`chunk_kda_triton` launches
-    with them and :mod:`kda_jax.aot` compiles with them.
+    with them and :mod:`bench.aot` compiles with them.
     """
     bt = opts.chunk_size
     sixteen_bit = jnp.dtype(work).itemsize == 2
@@ -107,7 +107,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     split = split_state_k(work, kd)
     if split and checkpoint_chunks:
         # The checkpoint stores in the chunk loop: at two stages the float32
-        # state kernel in K halves spilled on sm90 at chunk 32 (kda_jax.aot).
+        # state kernel in K halves spilled on sm90 at chunk 32 (bench.aot).
         state_stages = 1
     state = KernelLaunch(
         kernel="kda_fwd_state_output_kernel",
@@ -284,10 +284,10 @@ def segmented_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     (:mod:`kda_jax.triton.state_chain`). With 16-bit inputs (``input_dtype``)
     and V a multiple of ``segments.state_block_v``, the state-output kernel
     takes the V block and warps of ``segments`` where it sets them. The glue
-    launches with them and :mod:`kda_jax.aot` compiles them."""
+    launches with them and :mod:`bench.aot` compiles them."""
     seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
     # Float32 state tiles at V block 64 spilled on sm90 at K = 64, and 16-bit
-    # ones with masked V columns at K = 100 (kda_jax.aot): those keep the one
+    # ones with masked V columns at K = 100 (bench.aot): those keep the one
     # pass's blocks. The float32 fields are set too, since 16-bit inputs have
     # float32 intermediates in the interpreter.
     bv, warps = segments.state_block_v, segments.state_warps

@@ -49,7 +49,7 @@ class KernelLaunch:
     of ``kda_jax.kernels.signatures.SIGNATURES``), its constexprs and its
     launch options. The glue derives these once per kernel family
     (forward_launches, backward_launches, recurrent_launch); the launches and
-    kda_jax.aot both use them."""
+    bench.aot both use them."""
 
     kernel: str
     constexprs: dict

@@ -1,5 +1,5 @@
 """The state arguments of the Triton kernels that read initial and write final
-states (kernels/state_io.py): a pool's rows by index, or one state per sequence."""
+states (kda_jax/kernels/state_io.py): a pool's rows by index, or one state per sequence."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ __all__ = ["KernelStates", "kernel_states"]
 
 class KernelStates(NamedTuple):
     """The state arguments of a Triton kernel that reads initial and writes
-    final states (kernels/state_io.py): ``h0, read_idx, write_idx, slots``,
+    final states (kda_jax/kernels/state_io.py): ``h0, read_idx, write_idx, slots``,
     the state output's shape and dtype (a pool's own, which may be 16-bit:
-    kernels/state_io.py computes in float32 and rounds once on the store), and
+    kda_jax/kernels/state_io.py computes in float32 and rounds once on the store), and
     whether that output is h0's buffer (a pool, aliased) or a fresh array.
     ``write_columns``: W when ``write_idx`` is a verify's ``[N, W]`` rows of
     the states after each token (flattened), else 0."""

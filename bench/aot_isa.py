@@ -3,7 +3,7 @@
 Reads the assembly Triton produces per target (no GPU, no JAX, no Triton
 import): AMDGCN (``compiled.asm["amdgcn"]``) on HIP targets, PTX
 (``compiled.asm["ptx"]``) on sm90 (the SASS would need cuobjdump or nvdisasm,
-which ``kda_jax.aot`` does not assume; the PTX's wgmma/mma are what ptxas maps
+which ``bench.aot`` does not assume; the PTX's wgmma/mma are what ptxas maps
 one to one onto HGMMA/HMMA).
 
 :func:`matrix_profile` returns, for one kernel:

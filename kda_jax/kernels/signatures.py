@@ -1,6 +1,6 @@
 """The runtime arguments of every kernel, in the kernel's order: the one table
 that the launches (kda_jax.triton.launch.launch_kernel, which passes them by
-name), the ahead-of-time compile (kda_jax.aot) and the tests read. Constexprs
+name), the ahead-of-time compile (bench.aot) and the tests read. Constexprs
 are not listed: they are passed by name.
 
 Each argument has a kind, which fixes its type:

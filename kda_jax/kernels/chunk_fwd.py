@@ -495,7 +495,7 @@ def _state_output_sequence(
         if SPLIT_K:
             # Both products with one K half of the state, then both with the
             # other, and u loaded last: in the order of the whole-tile path
-            # the float32 kernel spills on sm90 (kda_jax.aot).
+            # the float32 kernel spills on sm90 (bench.aot).
             m_tk1 = m_t[:, None] & m_k1[None, :]
             b_w = tl.load(w + p_k, mask=m_tk, other=0.)
             b_hd = b_h.to(b_w.dtype)
@@ -529,7 +529,7 @@ def _state_output_sequence(
         # The state after i_t + 1 chunks, stored here (the end of the step,
         # each K half after its own update), where the fewest tiles are live:
         # at the step's start the loaded operands are live too, and sm90
-        # spills (kda_jax.aot).
+        # spills (bench.aot).
         store_checkpoint(p_hc, b_h, ckpt_idx, ckpt_cols, slots, i_n, i_hv, i_t + 1, n_chunks,
                          o_s, m_kv, HV, K, V, CHECKPOINT_CHUNKS, INDEXED_STATE)
         if SPLIT_K:

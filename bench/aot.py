@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the forward and backward kernels, with no GPU present.
 
-    python -m kda_jax.aot --targets gfx950,gfx1250,gfx942,sm90 --json PATH --summary PATH
+    python -m bench.aot --targets gfx950,gfx1250,gfx942,sm90 --json PATH --summary PATH
 
 Compiles every kernel of ``kda_jax.kernels.chunk_fwd`` and ``chunk_bwd`` for
 each target at that target's shipped config (``kda_jax.configs.FORWARD`` and
@@ -28,7 +28,7 @@ writes JSON, and exits 1 when a compile fails or a kernel spills to memory:
 ``lds_bytes`` is ``compiled.metadata.shared`` (what a launch allocates).
 
 Each row also has the matrix instructions by opcode and an estimated
-matrix-core cycle count per program (:mod:`kda_jax.aot_isa`, fields in
+matrix-core cycle count per program (:mod:`bench.aot_isa`, fields in
 :func:`_matrix_fields`): static counts from the AMDGCN or PTX, scaled by the
 loop trip counts the constexprs fix; a proxy, not a measurement. ``--json``
 writes every row (CI output, not committed); ``--summary`` the small file
@@ -106,7 +106,7 @@ class Spec:
     ``state`` is the dtype of the state buffer of the kernels that read and
     write a pool (:data:`POOL_KERNELS`; the other kernels ignore it): "fp32",
     or "bf16", a bfloat16 pool (computed on in float32, each stored tile
-    rounded by kernels/state_io._rounded), which the forward's state pass then
+    rounded by kda_jax/kernels/state_io._rounded), which the forward's state pass then
     reads indexed, since a 16-bit state is only ever a pool's. At "fp32" the
     forward's state pass compiles dense float32 states and the decode kernel's
     "all" flags a float32 pool."""
@@ -455,7 +455,7 @@ def _sass_matrix_ops(cubin: bytes):
 
 
 def _matrix_fields(compiled, backend=None, target=None, launch=None) -> dict:
-    """A row's matrix-instruction fields (kda_jax.aot_isa); all None without a compile.
+    """A row's matrix-instruction fields (bench.aot_isa); all None without a compile.
 
     matrix_ops: static {opcode: count} per wave (HIP) or per warp / warpgroup
     (PTX); matrix_ops_per_program: times the known trip counts of the loops
@@ -470,7 +470,7 @@ def _matrix_fields(compiled, backend=None, target=None, launch=None) -> dict:
                   matrix_ops_uncosted=None, sass_matrix_ops=None, matrix_error=None)
     if compiled is None:
         return fields
-    from kda_jax import aot_isa
+    from bench import aot_isa
 
     try:  # a report of the compiled code; its failure does not fail the compile
         asm = compiled.asm["amdgcn" if backend == "hip" else "ptx"]
@@ -504,7 +504,7 @@ def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
     if not isinstance(fn, triton.runtime.JITFunction):
         raise RuntimeError(
             f"{kernel} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET=1 was "
-            "set when the kernels were imported; compile through kda_jax.aot.run, whose "
+            "set when the kernels were imported; compile through bench.aot.run, whose "
             "worker processes drop it")
     # The backward casts its inputs to float32 with float32 intermediates.
     # (BWD_KERNELS and the segmented backward's state passes: the kda_bwd_ names.)
@@ -771,7 +771,7 @@ def summary(rows: list[dict], triton_version: str) -> dict:
                       "times the loops' trip counts known from the constexprs, ops in runtime "
                       "loops (matrix_count_basis) once per iteration; est_matrix_cycles: "
                       "matrix-core cycles of one program, its CU/SM to itself, from "
-                      "kda_jax.aot_isa.COST (a proxy, partly estimated)",
+                      "bench.aot_isa.COST (a proxy, partly estimated)",
         },
         "kernels": out,
     }
@@ -835,7 +835,7 @@ def _pick(value: str | None, known, what: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kda_jax.aot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.aot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS),
                         help=f"comma list of {', '.join(TARGETS)} (default: all)")
     parser.add_argument("--specs", default=None,
@@ -880,7 +880,7 @@ def main(argv=None) -> int:
         print("warning: the kernel or launch sources changed during the run", file=sys.stderr)
     print(table(rows))
     report_summary = summary(rows, triton.__version__)
-    print("\nPer kernel and target (matrix counts are static proxies: see kda_jax.aot_isa)")
+    print("\nPer kernel and target (matrix counts are static proxies: see bench.aot_isa)")
     print(summary_table(report_summary))
     failed = [r for r in rows if not r.get("ok")]
     compiled = sum(1 for r in rows if not r.get("same_binary_as"))

@@ -220,7 +220,7 @@ def _dstate_pass(
             # The products with dS first, one K half at a time; the tiles used
             # transposed are loaded [BK, BT] (K contiguous) instead: transposing
             # loaded [BT, BK] float32 tiles spilled 200-500 bytes on sm90
-            # (kda_jax.aot).
+            # (bench.aot).
             p_kt = (r64 * HV + i_hv)[None, :] * K + o_k[:, None]
             m_kt = m_k[:, None] & m_t[None, :]
             m_kt1 = m_k1[:, None] & m_t[None, :]
