@@ -25,8 +25,10 @@ Each kernel is compiled as `python -m bench.aot` compiles it (main spec: bf16, K
    tensor core until a WARPGROUP.DEPBAR, cp.async groups until a DEPBAR) times the
    overlap. A wave takes the larger of the two.
 4. **Memory.** Global bytes from the load and store instructions' widths (32 lanes each),
-   against the L2's bandwidth (re-read tiles mostly hit it); the kernel takes the larger
-   of compute and memory, plus a launch's fixed cost.
+   against the L2's bandwidth (re-read tiles mostly hit it); and the arrays the kernel
+   reads and writes (kda_jax.kernels.signatures, each array once, at the shape) against
+   HBM's (:func:`dram_bytes`). The kernel takes the larger of compute and memory, plus a
+   launch's fixed cost.
 
 The constants are sm90's published rates and typical latencies (:data:`SM90`); the
 overlap of latencies is the one fitted number (:func:`fit`). ``--measured`` takes the
@@ -59,15 +61,21 @@ from bench.sass_loops import _COMPILE, Instr, _short, parse
 
 # sm90 (H100 SXM): issue cost per warp instruction on its sub-partition's unit, in cycles,
 # and latency of its result, in cycles. Tensor-core instructions cost their multiply-adds
-# over the sub-partition's rate (see _tensor_cycles).
+# over the sub-partition's rate (see _tensor_cycles). dram_gbs: HBM3's 3.35 TB/s less what
+# a streaming kernel does not reach (about 90 %); l2_gbs: the L2's, re-read tiles.
 SM90 = dict(
-    sms=132, clock_ghz=1.755, l2_gbs=7000.0, launch_us=3.0,
+    sms=132, clock_ghz=1.755, l2_gbs=7000.0, dram_gbs=3000.0, launch_us=3.0,
     regs_per_sm=65536, smem_per_sm=227 * 1024, threads_per_sm=2048, programs_per_sm=32,
     issue=dict(tensor=0.0, fp32=1.0, fp64=2.0, sfu=8.0, int=2.0, shuffle=2.0, smem=2.0,
                gmem=2.0, barrier=1.0, other=1.0),
     latency=dict(tensor=24.0, fp32=4.0, fp64=8.0, sfu=18.0, int=4.0, shuffle=24.0, smem=30.0,
                  gmem=200.0, barrier=24.0, other=4.0),
 )
+
+# The same machine with the long latencies (memory, tensor core, shuffles, barriers)
+# cut to an ALU's: one warp's time through its arithmetic dependences alone.
+ALU_ONLY = dict(SM90, latency=dict(SM90["latency"], tensor=4.0, shuffle=4.0, smem=4.0,
+                                    gmem=4.0, barrier=0.0))
 
 _CLASSES = (
     ("tensor", r"^(HGMMA|HMMA|IMMA|WARPGROUP)"),
@@ -439,6 +447,48 @@ def grid(kernel: str, c: dict, v: dict) -> int:
     raise ValueError(f"no grid rule for {kernel}")
 
 
+# Elements of each kernel argument at the shape (t tokens, h = HV heads, n sequences, nt
+# chunks; K, V, BT, NK from the constexprs), and bytes per element as bench's inputs have
+# them (bf16 q, k, v and cotangents, float32 g and beta, 16-bit intermediates).
+_ARRAY_ELEMENTS = {
+    **dict.fromkeys(("q", "k", "g", "w", "qg", "kt", "gc", "dq", "dk", "dg", "dw", "dq_p",
+                     "dk_p", "dg_p", "dk_w", "dg_w"), lambda d: d["t"] * d["h"] * d["K"]),
+    **dict.fromkeys(("v", "u", "vn", "dvn", "do", "o", "dv"),
+                    lambda d: d["t"] * d["h"] * d["V"]),
+    **dict.fromkeys(("aqk", "x", "dl", "daqk"), lambda d: d["t"] * d["h"] * d["BT"]),
+    **dict.fromkeys(("beta", "dbeta"), lambda d: d["t"] * d["h"]),
+    "dbeta_k": lambda d: d["t"] * d["h"] * d["NK"],
+    "gl": lambda d: d["nt"] * d["h"] * d["K"],
+    **dict.fromkeys(("h", "dh", "hc"), lambda d: d["nt"] * d["h"] * d["K"] * d["V"]),
+    **dict.fromkeys(("h0", "ht", "dht", "dh0"), lambda d: d["n"] * d["h"] * d["K"] * d["V"]),
+}
+_TWO_BYTES = {"q", "k", "v", "do", "o", "w", "u", "qg", "kt", "aqk", "vn", "dvn"}
+
+
+def dram_bytes(kernel: str, c: dict, v: dict) -> int:
+    """Bytes of the arrays ``kernel`` reads and writes, each once, at the shape values
+    ``v`` (constexprs ``c``): the traffic HBM cannot avoid, whatever the L2 keeps. The
+    arguments are the working tree's kda_jax.kernels.signatures (the kernels of older
+    trees take the same arrays); the prepare writes x and gc only as the backward's
+    recompute (STORE_X), the state kernel its checkpoints only when asked."""
+    from kda_jax.kernels.signatures import SIGNATURES
+
+    sig = SIGNATURES["kda_fwd_prepare_kernel" if kernel == "kda_bwd_recompute" else kernel]
+    d = dict(t=v["n_tokens"], h=v["heads"], n=v["n_seqs"], nt=v["chunk_rows"],
+             K=c.get("K", 128), V=c.get("V", 128), BT=c.get("BT", 64),
+             NK=-(-c.get("K", 128) // c.get("BK", c.get("K", 128))))
+    skip = set()
+    if kernel in ("kda_fwd_prepare_kernel", "kda_bwd_recompute") and not c.get("STORE_X"):
+        skip |= {"x", "gc"}
+    if not c.get("CHECKPOINT_CHUNKS"):
+        skip.add("hc")
+    total = 0
+    for name, _ in sig.args:
+        if name in _ARRAY_ELEMENTS and name not in skip:
+            total += _ARRAY_ELEMENTS[name](d) * (2 if name in _TWO_BYTES else 4)
+    return total
+
+
 FORWARD = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 BACKWARD = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
             "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
@@ -471,10 +521,12 @@ def estimate(counts: collections.Counter, *, programs: int, warps: int, regs: in
     issue = per_sched * max(dispatch, *pipes.values())
     # One warp's own time (its dependences' latencies), shortened by the other warps
     # only as far as they fill its stalls: the overlap.
-    chain = counts["warp_cycles"] * overlap
+    alu = counts.get("warp_cycles_alu", 0.0)
+    chain = alu + (counts["warp_cycles"] - alu) * overlap
     wave = max(issue, chain)
     compute_us = waves * wave / (hw["clock_ghz"] * 1e3)
-    memory_us = counts["gmem_bytes"] * warps * programs / (hw["l2_gbs"] * 1e3)
+    memory_us = max(counts["gmem_bytes"] * warps * programs / (hw["l2_gbs"] * 1e3),
+                    counts["dram_bytes"] / (hw["dram_gbs"] * 1e3))
     us = max(compute_us, memory_us) + hw["launch_us"]
     bound = ("memory" if memory_us > compute_us else "issue" if issue >= chain else "latency")
     return dict(us=us, occupancy=occ, waves=waves, issue_cycles=issue, chain_cycles=chain,
@@ -561,6 +613,8 @@ def model_kernel(tree: str, kernel: str, shape: tuple, out: str,
     taken = [ins for ins in instrs if not _in_untaken_function(ins.where, untaken)]
     kept_loops, kept_trips = _loops_of(instrs, taken, loops, [r["trips"] for r in table])
     counts["warp_cycles"] = region_cycles(taken, kept_loops, kept_trips)
+    counts["warp_cycles_alu"] = region_cycles(taken, kept_loops, kept_trips, ALU_ONLY)
+    counts["dram_bytes"] = dram_bytes(kernel, c, values)
     launch = dict(programs=grid(kernel, c, values), warps=row["num_warps"],
                   regs=row["vgprs"], smem=row["lds_bytes"] or 0)
     return dict(kernel=kernel, tree=tree + (f":{changes}" if changes else ""), counts=counts,

@@ -436,15 +436,16 @@ class BackwardConfig:
       V block with 16-bit / float32 intermediates).
     wy_block_k / wy_block_v / wy_warps: the gradients through X (grid chunks
       x heads; loops over K and V blocks).
-    wy_dot / wy_dot_fp32: precision of its dots with X^T and of dw w^T with
-      16-bit / float32 inputs (the latter float32-grade: "ieee", "tf32x3" or
-      "bf16x6"); products of two 16-bit intermediates are native 16-bit
-      products.
+    wy_dot / wy_dot_fp16 / wy_dot_fp32: precision of its dots with X^T and
+      of dw w^T with bfloat16 / float16 / float32 intermediates (the last
+      float32-grade: "ieee", "tf32x3" or "bf16x6"); products of two 16-bit
+      intermediates are native 16-bit products.
     intra_block_k / intra_warps: the products' backward (grid chunks x heads
       x K blocks).
-    product_dot / product_dot_fp32: precision of the products' backward in the
-      intra kernel with 16-bit / float32 intermediates (see
-      ForwardConfig.prepare_dot).
+    product_dot / product_dot_fp16 / product_dot_fp32: precision of the
+      products' backward in the intra kernel with bfloat16 / float16 / float32
+      intermediates (see ForwardConfig.prepare_dot). float16 has its own
+      fields: its bar is 2.5x tighter than bfloat16's (kda_jax.testing).
     fp32_dot: precision of the state passes' and the inter kernel's products
       when the intermediates are float32 (16-bit ones multiply exactly).
     gate_fp32_max_k: with the in-kernel gate (use_gate_in_kernel), 16-bit
@@ -490,10 +491,12 @@ class BackwardConfig:
     wy_block_v: int = 32
     wy_warps: int = 4
     wy_dot: str = "ieee"
+    wy_dot_fp16: str = "ieee"
     wy_dot_fp32: str = "ieee"
     intra_block_k: int = 32
     intra_warps: int = 4
     product_dot: str = "ieee"
+    product_dot_fp16: str = "ieee"
     product_dot_fp32: str = "ieee"
     fp32_dot: str = "ieee"
     gate_fp32_max_k: int = 256
@@ -508,7 +511,8 @@ class BackwardConfig:
             stages=("prepare_stages", "prepare_stages_fp32", "state_stages", "state_stages_fp32",
                     "dstate_stages", "dstate_stages_fp32"),
             dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "prepare_dot_fp32", "wy_dot",
-                  "wy_dot_fp32", "product_dot", "product_dot_fp32", "fp32_dot"))
+                  "wy_dot_fp16", "wy_dot_fp32", "product_dot", "product_dot_fp16",
+                  "product_dot_fp32", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
         for name in ("dstate_split_k", "prepare_split", "prepare_split_fp32",
@@ -530,8 +534,13 @@ BACKWARD = {
     # within 3.5e-3 of the float32 reference (docs/tuning.md); with float32
     # ones as before: fp32-grade products at 4 warps and one stage, Aqk and
     # Akk in a pass each (at 8 warps and three stages they spilled 52 bytes,
-    # in one pass 8-76, under Triton 3.9). Split-bf16 products in the
-    # products' backward and wy, tf32x3 ones with float32 intermediates;
+    # in one pass 8-76, under Triton 3.9). bfloat16 intermediates: tf32
+    # products in the products' backward and X^T rounded to bf16 in wy (as
+    # the forward's w/u round it), 0.70 ms faster than split-bf16 ones, the
+    # gradients within 3.6e-3 (bf16 products in both: 0.23 ms more off, dg at
+    # 6.6e-3); float16 ones keep split-bf16 (with tf32 and bf16, dv and dg at
+    # 1.9-2.0e-3 against the 2e-3 bar); tf32x3 with float32 intermediates
+    # in the state passes and the inter kernel, split-bf16 in the products';
     # 32-wide intra K blocks at 8 warps (each chunk's [BT, BT] work half as
     # often as at 16; 64-wide ones spill); the largest wy blocks that compile
     # without spills at every spec; the in-kernel gate's float32
@@ -549,9 +558,10 @@ BACKWARD = {
         dstate_split_k=True, state_passes_fused=False,
         state_passes_fused_fp32=False,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
-        wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=8, product_dot="bf16x3", product_dot_fp32="bf16x3",
-        fp32_dot="tf32x3",
+        wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16", wy_dot_fp16="bf16x3",
+        wy_dot_fp32="ieee",
+        intra_block_k=32, intra_warps=8, product_dot="tf32", product_dot_fp16="bf16x3",
+        product_dot_fp32="bf16x3", fp32_dot="tf32x3",
         gate_fp32_max_k=128),
     # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
     # w/u included); float32 intermediates keep "ieee" in the state passes and
@@ -570,8 +580,10 @@ BACKWARD = {
         dstate_split_k=True, state_passes_fused=False,
         state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
-        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=4, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
+        wy_dot_fp32="ieee",
+        intra_block_k=16, intra_warps=4, product_dot="bf16x3", product_dot_fp16="bf16x3",
+        product_dot_fp32="bf16x3",
         fp32_dot="ieee",
         gate_fp32_max_k=256),
     # 64 KiB of LDS fits the state passes at one stage and 4 waves; the intra
@@ -589,8 +601,10 @@ BACKWARD = {
         dstate_split_k=True, state_passes_fused=False,
         state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
-        wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=8, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
+        wy_dot_fp32="ieee",
+        intra_block_k=16, intra_warps=8, product_dot="bf16x3", product_dot_fp16="bf16x3",
+        product_dot_fp32="bf16x3",
         fp32_dot="ieee",
         gate_fp32_max_k=128),
     # Wave32: twice gfx950's warps for the recompute; the wy kernel at 16
@@ -608,8 +622,10 @@ BACKWARD = {
         dstate_split_k=True, state_passes_fused=False,
         state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
-        wy_block_k=32, wy_block_v=64, wy_warps=16, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=4, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        wy_block_k=32, wy_block_v=64, wy_warps=16, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
+        wy_dot_fp32="ieee",
+        intra_block_k=16, intra_warps=4, product_dot="bf16x3", product_dot_fp16="bf16x3",
+        product_dot_fp32="bf16x3",
         fp32_dot="ieee",
         gate_fp32_max_k=256),
     # Any other GPU: fp32 products, moderate tiles.
@@ -622,8 +638,10 @@ BACKWARD = {
         dstate_split_k=True, state_passes_fused=False,
         state_passes_fused_fp32=False,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
-        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp32="ieee",
-        intra_block_k=32, intra_warps=4, product_dot="ieee", product_dot_fp32="ieee",
+        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp16="ieee",
+        wy_dot_fp32="ieee",
+        intra_block_k=32, intra_warps=4, product_dot="ieee", product_dot_fp16="ieee",
+        product_dot_fp32="ieee",
         fp32_dot="ieee",
         gate_fp32_max_k=256),
 }
@@ -645,8 +663,10 @@ BACKWARD_C32 = {
         dstate_split_k=False, state_passes_fused=False,
         state_passes_fused_fp32=False,
         inter_block_k=16, inter_block_v=16, inter_block_v_fp32=16, inter_warps=4,
-        wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp32="ieee",
-        intra_block_k=16, intra_warps=8, product_dot="bf16x3", product_dot_fp32="bf16x3",
+        wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
+        wy_dot_fp32="ieee",
+        intra_block_k=16, intra_warps=8, product_dot="bf16x3", product_dot_fp16="bf16x3",
+        product_dot_fp32="bf16x3",
         fp32_dot="tf32x3",
         gate_fp32_max_k=64),
     # As at chunk 64.

@@ -208,6 +208,28 @@ def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, war
     assert (prepare.num_warps, prepare.num_stages) == ((4, 1) if split else (8, 3))
 
 
+@pytest.mark.parametrize("work, mode", [("bfloat16", "tf32"), ("float16", "tf32x3"),
+                                        ("float32", "ieee")])
+def test_product_precisions_follow_the_intermediates_dtype(work, mode):
+    """The intra kernel's and the wy kernel's precisions: product_dot / wy_dot
+    for bfloat16 intermediates, the *_fp16 fields for float16 ones (a tighter
+    bar), the *_fp32 fields for float32 ones."""
+    import jax.numpy as jnp
+
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton.backward import backward_launches
+
+    bwd = configs.BackwardConfig(product_dot="tf32", product_dot_fp16="tf32x3",
+                                 product_dot_fp32="ieee", wy_dot="tf32", wy_dot_fp16="tf32x3",
+                                 wy_dot_fp32="ieee")
+    launches = backward_launches(h=2, hv=2, kd=64, vd=64, opts=KdaOptions(scale=0.1),
+                                 config=bwd, has_initial_state=False, has_final_grad=False,
+                                 work=jnp.dtype(work))
+    code = configs.DOT_MODES.index(mode)
+    assert launches["kda_bwd_intra_kernel"].constexprs["DOT_A"] == code
+    assert launches["kda_bwd_wy_kernel"].constexprs["DOT_X"] == code
+
+
 def test_split_bf16_modes_are_valid_and_run_as_ieee_in_the_interpreter(monkeypatch):
     """bf16x3 / bf16x6 are accepted where their accuracy fits (not for the
     float32-grade fields but bf16x6), and Triton's interpreter, which knows

@@ -121,3 +121,22 @@ def test_variant_changes_the_sm90_configs(monkeypatch):
         for table in (configs.FORWARD, configs.FORWARD_C32, configs.BACKWARD,
                       configs.BACKWARD_C32):
             table.update(saved[id(table)])
+
+
+def test_dram_bytes_counts_each_array_once():
+    """The inter kernel at (1, 8192, 32): q, k (bf16), gc, g (float32), h, dh (float32
+    per chunk), vn, dvn, do (bf16) read, dq, dk, dg, dw (float32) written; the prepare
+    writes x and gc only as the recompute."""
+    v = cm.shape_values(1, 8192, 32)
+    c = dict(K=128, V=128, BT=64, BK=32)
+    tk = 8192 * 32 * 128
+    state = 128 * 32 * 128 * 128
+    want = 2 * tk * 2 + 2 * tk * 4 + 2 * state * 4 + 3 * tk * 2 + 4 * tk * 4
+    assert cm.dram_bytes("kda_bwd_inter_kernel", c, v) == want
+    fwd = cm.dram_bytes("kda_fwd_prepare_kernel", c, v)
+    extra = 8192 * 32 * 64 * 4 + tk * 4  # x, gc
+    assert cm.dram_bytes("kda_bwd_recompute", dict(c, STORE_X=True), v) == fwd + extra
+    counts = collections.Counter(gmem_bytes=0, dram_bytes=3e9)
+    e = cm.estimate(counts, programs=132, warps=4, regs=64, smem=0, overlap=1.0)
+    assert e["bound"] == "memory"
+    assert e["memory_us"] == pytest.approx(3e9 / (cm.SM90["dram_gbs"] * 1e3))

@@ -4,8 +4,9 @@ checks each one's gradients against the float32 reference (GPU only).
     python -m bench.tune.tune_backward [--shape 1,8192,32] [--grid NAME] [--json PATH]
 
 Each row: the config change, the fwd+bwd median ms at the timing shape (bf16,
-K = V = 128, as bench.backward) and the worst relative RMS error of dq, dk,
-dv, dg, dbeta against autodiff of ``kda_jax.reference`` on a small varlen case.
+K = V = 128, as bench.backward) and the relative RMS error of dq, dk, dv, dg,
+dbeta against autodiff of ``kda_jax.reference`` on a small varlen case, with
+bf16 and with fp16 inputs.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ GRIDS = {
         dict(prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
              prepare_warps=4, prepare_stages=1, prepare_split=True),
     ],
+    # The products' backward (intra kernel) and the wy kernel's dots with X^T
+    # for 16-bit intermediates: sm90's (tf32, X^T rounded to bf16 for bfloat16
+    # ones; split-bf16 for float16 ones), bf16 products in both, split-bf16 in
+    # both (the config before).
+    "product_precision": [
+        {},
+        dict(product_dot="bf16", product_dot_fp16="bf16", wy_dot_fp16="bf16"),
+        dict(product_dot="bf16x3", wy_dot="bf16x3"),
+        dict(product_dot_fp16="tf32", wy_dot_fp16="bf16"),
+    ],
     # The two state passes: a launch each or one launch, and their stages
     # (at 2 the reverse pass's pipelined tiles take 124 KiB of shared memory
     # on sm90: one program per SM).
@@ -67,9 +78,15 @@ NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
 
 def accuracy() -> dict:
-    """Relative RMS error of each gradient, bf16 inputs, against the float32
-    reference's (sequences of 1, 129 and 170 tokens, H = 4, K = V = 128)."""
-    x = testing.make_inputs(8, T=300, H=4, K=128, V=128, N=3, dtype=jnp.bfloat16)
+    """Relative RMS error of each gradient, bf16 and fp16 inputs (keys
+    NAME_rel_rms and NAME_rel_rms_fp16), against the float32 reference's
+    (sequences of 1, 129 and 170 tokens, H = 4, K = V = 128)."""
+    fp16 = {f"{k}_fp16": v for k, v in _accuracy(jnp.float16).items()}
+    return {**_accuracy(jnp.bfloat16), **fp16}
+
+
+def _accuracy(dtype) -> dict:
+    x = testing.make_inputs(8, T=300, H=4, K=128, V=128, N=3, dtype=dtype)
     cu = np.array([0, 1, 130, 300])
     w = jnp.asarray(np.random.default_rng(3).standard_normal(x.v.shape), jnp.float32)
 

@@ -114,7 +114,10 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     # the reverse pass too unless the config says otherwise.
     split = split_state_k(work, kd)
     split_rev = split and config.dstate_split_k
-    dot_a = dot_code(config.product_dot if sixteen_bit else config.product_dot_fp32)
+    # Product precisions by the intermediates' dtype: bfloat16, float16, float32.
+    by_work = {"bfloat16": 0, "float16": 1, "float32": 2}[jnp.dtype(work).name]
+    dot_a = dot_code((config.product_dot, config.product_dot_fp16,
+                      config.product_dot_fp32)[by_work])
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
     # take fp32_dot.
@@ -148,7 +151,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         KernelLaunch("kda_bwd_wy_kernel", dict(
             H=h, **common, BK=_block(kd, config.wy_block_k), BV=_block(vd, config.wy_block_v),
             SCALE=float(opts.scale), DOT_X=dot_code(
-                config.wy_dot if sixteen_bit else config.wy_dot_fp32)),
+                (config.wy_dot, config.wy_dot_fp16, config.wy_dot_fp32)[by_work])),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(
             H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, config.intra_block_k), DOT_A=dot_a),
