@@ -63,8 +63,7 @@ KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # The backward's kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
 # kda_jax.triton.backward.backward_launches gives them.
 BWD_KERNELS = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
-               "kda_bwd_state_passes_kernel", "kda_bwd_inter_kernel", "kda_bwd_wy_kernel",
-               "kda_bwd_intra_kernel")
+               "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
 # The decode kernel (kda_jax.kernels.fused_recurrent), at recurrent_constexprs'.
 DECODE_KERNELS = ("kda_fused_recurrent_kernel",)
 # The segmented state chain at the launches kda_jax.triton.forward.segmented_launches
@@ -217,15 +216,8 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
     return launch, config, spec.dtype
 
 
-# The backward's state passes: a launch each, or both in one (configs.BackwardConfig
-# .state_passes_fused); a spec has rows for the form its config launches.
-_STATE_PASS_FORMS = ("kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
-                     "kda_bwd_state_passes_kernel")
-
-
 def _bwd_launch_for(kernel: str, target: str, spec: Spec):
-    """_launch_for of a backward kernel (config: configs.BACKWARD[target]), or
-    None for a state pass form that the config does not launch."""
+    """_launch_for of a backward kernel (config: configs.BACKWARD[target])."""
     import jax.numpy as jnp
 
     from kda_jax.configs import backward_config
@@ -242,9 +234,7 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
         launch = backward_launches(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
                                    config=config, has_initial_state=has_h0,
                                    has_final_grad=opts.output_final_state,
-                                   work=work).get(kernel)
-        if launch is None:  # a state pass form the config does not launch
-            return None
+                                   work=work)[kernel]
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
@@ -293,12 +283,9 @@ _SEGMENT_STATE_PASSES = ("kda_fwd_state_output_seg", "kda_bwd_state_seg", "kda_b
 
 
 def applies(kernel: str, target: str, spec: Spec) -> bool:
-    """Whether ``kernel`` has a row at ``spec``: the backward's state passes
-    in the form the target's config launches them (apart or in one kernel),
-    the segmented chain's launches only where its state pass holds the state
-    whole (and its state passes at chunk 64)."""
-    if kernel in _STATE_PASS_FORMS:
-        return _bwd_launch_for(kernel, target, spec) is not None
+    """Whether ``kernel`` has a row at ``spec``: the segmented chain's launches
+    only where its state pass holds the state whole (and its state passes at
+    chunk 64); every other kernel everywhere."""
     if kernel not in SEGMENT_KERNELS:
         return True
     if kernel in _SEGMENT_STATE_PASSES and spec.chunk != 64:
@@ -314,11 +301,7 @@ def _launch_for(kernel: str, target: str, spec: Spec):
             raise ValueError(f"{kernel} does not run at {spec.name}: its state pass splits K")
         return found
     if kernel in BWD_KERNELS:
-        found = _bwd_launch_for(kernel, target, spec)
-        if found is None:
-            raise ValueError(f"{kernel} does not run at {spec.name} on {target}: its config "
-                             "launches the state passes in the other form")
-        return found
+        return _bwd_launch_for(kernel, target, spec)
     if kernel in DECODE_KERNELS:
         return _decode_launch_for(kernel, target, spec)
     import jax.numpy as jnp
@@ -684,7 +667,7 @@ _SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "s
           "kda_fused_recurrent_kernel": "decode",
           "kda_bwd_recompute": "bwd_recompute", "kda_bwd_state_kernel": "bwd_state",
           "kda_bwd_dstate_kernel": "bwd_dstate",
-          "kda_bwd_state_passes_kernel": "bwd_state_passes", "kda_bwd_inter_kernel": "bwd_inter",
+          "kda_bwd_inter_kernel": "bwd_inter",
           "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra",
           "kda_segment_map_kernel": "seg_map", "kda_segment_fold_kernel": "seg_fold",
           "kda_segment_map_bwd": "seg_map_bwd", "kda_segment_fold_bwd": "seg_fold_bwd",

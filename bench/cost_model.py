@@ -440,8 +440,6 @@ def grid(kernel: str, c: dict, v: dict) -> int:
     if kernel in ("kda_fwd_state_output_kernel", "kda_bwd_state_kernel",
                   "kda_bwd_dstate_kernel"):
         return seqs * hv * blocks(c["V"], c["BV"])
-    if kernel == "kda_bwd_state_passes_kernel":
-        return 2 * seqs * hv * blocks(c["V"], c["BV"])
     if kernel in ("kda_bwd_inter_kernel", "kda_bwd_intra_kernel"):
         return rows * hv * blocks(c["K"], c["BK"])
     raise ValueError(f"no grid rule for {kernel}")

@@ -420,15 +420,10 @@ class BackwardConfig:
       outgrow shared memory, as in the forward).
     dstate_stages / dstate_stages_fp32: the reverse pass's, likewise (it
       pipelines five tiles to the forward pass's three, so each stage costs
-      it more shared memory). Both in one launch take the fewer of the two.
+      it more shared memory).
     dstate_split_k: the reverse pass holds dS as two K halves where the
       state passes hold the state so (float32 intermediates, K > 64:
       kda_jax.triton.forward.split_state_k); False keeps one [K, BV] tile.
-    state_passes_fused / state_passes_fused_fp32: with 16-bit / float32
-      intermediates, both passes in one launch of twice the programs
-      (kda_bwd_state_passes_kernel; they are independent, and each alone
-      leaves most of a GPU's issue slots idle at small grids); False: a
-      launch each. The segmented passes launch apart either way.
 
     The per-chunk kernels:
     inter_block_k / inter_block_v / inter_block_v_fp32 / inter_warps: the
@@ -481,8 +476,6 @@ class BackwardConfig:
     dstate_stages: int = 2
     dstate_stages_fp32: int = 2
     dstate_split_k: bool = True
-    state_passes_fused: bool = False
-    state_passes_fused_fp32: bool = False
     inter_block_k: int = 64
     inter_block_v: int = 64
     inter_block_v_fp32: int = 64
@@ -515,8 +508,7 @@ class BackwardConfig:
                   "product_dot_fp32", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
-        for name in ("dstate_split_k", "prepare_split", "prepare_split_fp32",
-                     "state_passes_fused", "state_passes_fused_fp32"):
+        for name in ("dstate_split_k", "prepare_split", "prepare_split_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if (not isinstance(self.gate_fp32_max_k, int) or isinstance(self.gate_fp32_max_k, bool)
@@ -555,8 +547,7 @@ BACKWARD = {
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
-        dstate_split_k=True, state_passes_fused=False,
-        state_passes_fused_fp32=False,
+        dstate_split_k=True,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
@@ -577,8 +568,7 @@ BACKWARD = {
         prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=2, state_warps_wide=2, state_stages=2,
         state_stages_fp32=1, dstate_stages=2, dstate_stages_fp32=1,
-        dstate_split_k=True, state_passes_fused=False,
-        state_passes_fused_fp32=False,
+        dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
@@ -598,8 +588,7 @@ BACKWARD = {
         prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=1,
         state_stages_fp32=1, dstate_stages=1, dstate_stages_fp32=1,
-        dstate_split_k=True, state_passes_fused=False,
-        state_passes_fused_fp32=False,
+        dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
@@ -619,8 +608,7 @@ BACKWARD = {
         prepare_dot_fp32="bf16x3",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
-        dstate_split_k=True, state_passes_fused=False,
-        state_passes_fused_fp32=False,
+        dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=64, wy_warps=16, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
@@ -635,8 +623,7 @@ BACKWARD = {
         prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
         state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
-        dstate_split_k=True, state_passes_fused=False,
-        state_passes_fused_fp32=False,
+        dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
         wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp16="ieee",
         wy_dot_fp32="ieee",
@@ -660,8 +647,7 @@ BACKWARD_C32 = {
         prepare_dot_fp32="bf16x3",
         state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
-        dstate_split_k=False, state_passes_fused=False,
-        state_passes_fused_fp32=False,
+        dstate_split_k=False,
         inter_block_k=16, inter_block_v=16, inter_block_v_fp32=16, inter_warps=4,
         wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",

@@ -190,17 +190,6 @@ def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, war
     assert dstate.constexprs["BK"] == 128
     assert launches["kda_bwd_inter_kernel"].constexprs["BV"] == bv
     assert state.num_stages == dstate.num_stages == (1 if split else 2)
-    # One launch for both passes where the config fuses them for this work
-    # dtype: each pass keeps its K tiling, at the fewer of their stages.
-    fused = dataclasses.replace(bwd, state_passes_fused=not split,
-                                state_passes_fused_fp32=split, dstate_stages=1)
-    launches = backward_launches(h=2, hv=2, kd=100, vd=64, opts=opts, config=fused,
-                                 has_initial_state=True, has_final_grad=True,
-                                 work=jnp.dtype(work))
-    assert "kda_bwd_state_kernel" not in launches and "kda_bwd_dstate_kernel" not in launches
-    both = launches["kda_bwd_state_passes_kernel"]
-    assert both.constexprs["SPLIT_K"] is split and not both.constexprs["SPLIT_K_REV"]
-    assert both.constexprs["BK_REV"] == 128 and both.num_stages == 1
     prepare = recompute_launch(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
                                work=jnp.dtype(work))
     assert prepare.constexprs["BK"] == (32 if split else 64)

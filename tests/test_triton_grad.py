@@ -192,27 +192,6 @@ def test_reverse_state_pass_in_one_tile_matches_reference(name, check_rel_rms):
     assert not failures, f"{name}: " + "; ".join(failures)
 
 
-@pytest.mark.parametrize("name,split_rev", [
-    ("varlen-empty-len1-c32", True), ("varlen-no-h0-c64", True),
-    ("split-K100-vfirst-c64", True), ("split-K128-c32", False)])
-@pytest.mark.parametrize("fused", [True, False])
-def test_state_passes_launch_forms_match_reference(name, split_rev, fused, check_rel_rms):
-    """BackwardConfig.state_passes_fused: both state passes in one launch
-    (programs of both kinds on one grid; empty sequences, no initial state,
-    the state in K halves, and a reverse pass in one tile beside a split
-    forward pass, where the two take different K blocks), or a launch each."""
-    make_kw, call_kw, chunk, wrt = CASES[name]
-    x = make_inputs(23, **make_kw)
-    w_o, w_f = _weights(x, call_kw, seed=7)
-    cfg = dataclasses.replace(configs.backward_config(chunk_size=chunk),
-                              state_passes_fused=fused, state_passes_fused_fp32=fused,
-                              dstate_split_k=split_rev)
-    with configs.override_backward(cfg):
-        ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
-    failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
-    assert not failures, f"{name}: " + "; ".join(failures)
-
-
 @pytest.mark.parametrize("gate_floor", [None, -1000.0])
 def test_intra_k_blocks_match_reference(gate_floor, check_rel_rms):
     """The intra kernel over K blocks of 32 (K = 48 is a full and a masked

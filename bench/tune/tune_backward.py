@@ -61,17 +61,13 @@ GRIDS = {
         dict(product_dot="bf16x3", wy_dot="bf16x3"),
         dict(product_dot_fp16="tf32", wy_dot_fp16="bf16"),
     ],
-    # The two state passes: a launch each or one launch, and their stages
-    # (at 2 the reverse pass's pipelined tiles take 124 KiB of shared memory
-    # on sm90: one program per SM).
+    # The two state passes' stages and V block (at 2 stages the reverse pass's
+    # pipelined tiles take 124 KiB of shared memory on sm90: one program per SM).
     "state_passes": [
-        dict(state_passes_fused=False, dstate_stages=2),
-        dict(state_passes_fused=False, dstate_stages=1),
-        dict(state_passes_fused=False, dstate_stages=1, state_stages=1),
-        dict(state_passes_fused=True, dstate_stages=2),
-        dict(state_passes_fused=True, dstate_stages=1),
-        dict(state_passes_fused=False, dstate_stages=1, state_block_v=32),
-        dict(state_passes_fused=True, dstate_stages=1, state_block_v=32),
+        dict(dstate_stages=2),
+        dict(dstate_stages=1),
+        dict(dstate_stages=1, state_stages=1),
+        dict(dstate_stages=1, state_block_v=32),
     ],
 }
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")

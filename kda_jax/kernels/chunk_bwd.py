@@ -25,8 +25,6 @@ STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl, G and X^T. Then:
   kda_bwd_dstate_kernel   grid (sequences, HV, V blocks): walks chunks in
                           reverse: dS per chunk, dv_new, the initial state's
                           gradient (only that without STORE_CHUNKS).
-  (Or both in one launch, kda_bwd_state_passes_kernel, grid (2 x sequences,
-  HV, V blocks): the reverse pass reads no state, so the two are independent.)
   (Segmented, kda_jax.triton.state_chain: both state passes per segment, the
   reverse one twice, and the segments' bounds as the sequences.)
   kda_bwd_inter_kernel    grid (chunks, HV, K blocks): the state terms dqg,
@@ -273,35 +271,6 @@ def _dstate_pass(
     if SPLIT_K:
         store_state(dh0 + shift, b_dh1, dh0, 0, i_n, i_hv, o_s, m_kv1, HV, K, V,
                     STORE_INITIAL_GRAD, False)
-
-
-@triton.jit
-def kda_bwd_state_passes_kernel(
-    w, u, qg, kt, aqk, gl, do, h0, dht, meta, off_cu, off_co, n_seqs, n_tokens, n_chunk_rows,
-    h, vn, dh, dvn, dh0,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BK_REV: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr,
-    STORE_INITIAL_GRAD: tl.constexpr, STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr,
-    SPLIT_K: tl.constexpr, SPLIT_K_REV: tl.constexpr,
-):
-    """Both state passes in one launch, grid (2 x sequences, HV, V blocks):
-    they are independent (the reverse pass reads no state), and each alone
-    fills a small grid (sequences x HV x V blocks programs, each walking its
-    sequence's chunks one after another), so side by side they share the
-    SMs' latency. Program p < n_seqs runs the reverse pass of sequence p
-    (kda_bwd_dstate_kernel, STORE_CHUNKS on; BK_REV, SPLIT_K_REV), program
-    n_seqs + p the forward pass of sequence p (kda_bwd_state_kernel; BK,
-    SPLIT_K); grid axis 0 varies fastest, so the two kinds interleave."""
-    i_p = tl.program_id(0)
-    if i_p < n_seqs:
-        _dstate_pass(qg, kt, w, aqk, gl, do, dht, meta, off_cu, off_co, n_tokens,
-                     n_chunk_rows, dh, dvn, dh0, i_p, HV, K, V, BT, BK_REV, BV, USE_FINAL_GRAD,
-                     STORE_INITIAL_GRAD, STATE_V_FIRST, DOT, SPLIT_K_REV, True)
-    else:
-        _state_pass(w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows, h, vn,
-                    i_p - n_seqs, HV, K, V, BT, BK, BV, USE_INITIAL_STATE, STATE_V_FIRST, DOT,
-                    SPLIT_K)
 
 
 @triton.jit

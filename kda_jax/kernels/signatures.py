@@ -91,13 +91,6 @@ SIGNATURES = {
                                                            ("n_chunk_rows", I32)),
         outputs=(("dh", F32), ("dvn", WORK), ("dh0", F32)),
     ),
-    "kda_bwd_state_passes_kernel": Signature(
-        "chunk_bwd",
-        inputs=(("w", WORK), ("u", WORK), ("qg", WORK), ("kt", WORK), ("aqk", WORK),
-                ("gl", F32), ("do", IN), ("h0", F32), ("dht", F32)) + _META_SEQS
-        + (("n_seqs", I32), ("n_tokens", I32), ("n_chunk_rows", I32)),
-        outputs=(("h", F32), ("vn", WORK), ("dh", F32), ("dvn", WORK), ("dh0", F32)),
-    ),
     "kda_bwd_inter_kernel": Signature(
         "chunk_bwd",
         inputs=(("q", IN), ("k", IN), ("gc", F32), ("g", IN), ("h", F32), ("dh", F32),

@@ -93,9 +93,8 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                       config: BackwardConfig, has_initial_state: bool,
                       has_final_grad: bool, work) -> dict[str, KernelLaunch]:
     """The backward kernels' launches for these shapes, options and config,
-    by kernel name (in launch order): the two state passes (a launch each,
-    or kda_bwd_state_passes_kernel alone where the config fuses them), then
-    the three per-chunk kernels. The one place their constexprs are derived:
+    by kernel name (in launch order): the two state passes, then the three
+    per-chunk kernels. The one place their constexprs are derived:
     :func:`core_backward` launches with them, :mod:`bench.aot` compiles
     with them."""
     bt = opts.chunk_size
@@ -134,15 +133,6 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             STATE_V_FIRST=opts.state_v_first, DOT=dot_state, SPLIT_K=split_rev,
             STORE_CHUNKS=True),
             state_warps, dstate_stages),
-        # Both passes in one launch (config.state_passes_fused), each with its
-        # own K tiling.
-        KernelLaunch("kda_bwd_state_passes_kernel", dict(
-            **common, BK=bk_state // (2 if split else 1),
-            BK_REV=bk_state // (2 if split_rev else 1), BV=bv_state,
-            USE_INITIAL_STATE=has_initial_state, USE_FINAL_GRAD=has_final_grad,
-            STORE_INITIAL_GRAD=has_initial_state, STATE_V_FIRST=opts.state_v_first,
-            DOT=dot_state, SPLIT_K=split, SPLIT_K_REV=split_rev),
-            state_warps, min(state_stages, dstate_stages)),
         KernelLaunch("kda_bwd_inter_kernel", dict(
             H=h, **common, BK=_block(kd, config.inter_block_k),
             BV=_block(vd, inter_bv),
@@ -157,10 +147,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, config.intra_block_k), DOT_A=dot_a),
             config.intra_warps, 1),
     ]
-    fused = config.state_passes_fused if sixteen_bit else config.state_passes_fused_fp32
-    unused = (("kda_bwd_state_kernel", "kda_bwd_dstate_kernel") if fused
-              else ("kda_bwd_state_passes_kernel",))
-    return {launch_.kernel: launch_ for launch_ in launches if launch_.kernel not in unused}
+    return {launch_.kernel: launch_ for launch_ in launches}
 
 
 def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
@@ -226,9 +213,8 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
                      gc=tk),  # G, read by the kernels below
         grid=(n_chunks, hv, 1), name="kda_bwd_recompute")
 
-    # The state passes' tiling (either form: the fused launch's BK and SPLIT_K
-    # are the forward pass's).
-    first = L.get("kda_bwd_state_kernel") or L["kda_bwd_state_passes_kernel"]
+    # The state passes' tiling.
+    first = L["kda_bwd_state_kernel"]
     n_v = -(-vd // first.constexprs["BV"])
     tables = None
     if segments is not None:
@@ -240,17 +226,6 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
         state, dstate = _segmented_state_passes(
             r, tables, segments, initial_state, dht, do, h=h, hv=hv, kd=kd, vd=vd,
             n_chunks=n_chunks, tokens=tokens, opts=opts, config=config, work=work)
-    elif "kda_bwd_state_passes_kernel" in L:
-        both = run(
-            "kda_bwd_state_passes_kernel", (2 * n, hv, n_v),
-            dict(w=r["w"], u=r["u"], qg=r["qg"], kt=r["kt"], aqk=r["aqk"], gl=r["gl"], do=do,
-                 h0=dummy if initial_state is None else initial_state.astype(f32),
-                 dht=dummy if dht is None else dht.astype(f32), **by_seq, n_seqs=n),
-            dict(h=sds((n_chunks, hv, kd, vd), f32), vn=sds(tv.shape, work),
-                 dh=sds((n_chunks, hv, kd, vd), f32), dvn=sds(tv.shape, work),
-                 dh0=sds(state_shape if initial_state is not None else (4,), f32)))
-        state = dict(h=both["h"], vn=both["vn"])
-        dstate = dict(dh=both["dh"], dvn=both["dvn"], dh0=both["dh0"])
     else:
         state = run(
             "kda_bwd_state_kernel", (n, hv, n_v),
@@ -299,7 +274,6 @@ def segmented_backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaO
     folds, :mod:`kda_jax.triton.state_chain`). States K-first. The glue
     launches with them and :mod:`bench.aot` compiles them."""
     seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
-    config = dataclasses.replace(config, state_passes_fused=False, state_passes_fused_fp32=False)
     L = backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
                           has_initial_state=True, has_final_grad=True, work=work)
     state, dstate = L["kda_bwd_state_kernel"], L["kda_bwd_dstate_kernel"]
