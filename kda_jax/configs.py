@@ -328,9 +328,12 @@ class RecurrentConfig:
 # A [128, 32] fp32 tile over 128 lanes is 32 values per lane (64 at K = 256).
 # One sentence each on why; measurements in docs/tuning.md ("Decode").
 RECURRENT = {
-    # Rows of 64 floats copy faster in the dense decode (a state copy with
-    # arithmetic on the way); with bounds loaded the 32-wide tile is faster.
-    "sm90": RecurrentConfig(block_v=64, block_v_bounds=32, block_v_wide=32, warps=4, stages=2),
+    # 32-wide tiles at 2 warps: against 64-wide dense / 32-wide pool tiles at
+    # 4 warps, the bf16 pool 0.303 against 0.356 ms and verify (S = 3) 1.025
+    # against 1.103 at N = 256, the float32 pool equal, the dense step 0.383
+    # against 0.373 (one H100 call, docs/tuning.md "Decode"); 64-wide dense
+    # tiles at 2 warps put verify at 1.135.
+    "sm90": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
     # Untimed: 2 waves of 64 hold the tile as sm90's 4 warps of 32 do.
     "gfx950": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),

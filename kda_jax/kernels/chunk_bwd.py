@@ -367,13 +367,12 @@ def _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, o_t, DOT: tl.conste
 @triton.jit
 def _anchored_level_bwd(b_q, b_k, b_r, b_c, m_l, b_dl, b_dlb, b_daqs, DOT: tl.constexpr):
     """One level of _anchored_products_bwd: (Qd, Dk, P) over the pairs m_l."""
-    b_kc = b_k * b_c
-    b_dlm = tl.where(m_l, b_dl, 0.)
     b_dam = tl.where(m_l, b_daqs, 0.)
-    b_pk = b_r * dot(b_dlm, b_kc, DOT)
-    b_qd = b_r * dot(b_dam, b_kc, DOT)
     b_dkc = dot(tl.trans(tl.where(m_l, b_dlb, 0.)), b_k * b_r, DOT)
-    b_dkc += dot(tl.trans(b_dam), b_q * b_r, DOT)
+    b_dkc = dot(tl.trans(b_dam), b_q * b_r, DOT, b_dkc)
+    b_kc = b_k * b_c
+    b_qd = b_r * dot(b_dam, b_kc, DOT)
+    b_pk = b_r * dot(tl.where(m_l, b_dl, 0.), b_kc, DOT)
     return b_qd, b_c * b_dkc, b_pk
 
 
