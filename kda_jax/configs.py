@@ -432,8 +432,9 @@ class BackwardConfig:
     inter_block_k / inter_block_v / inter_block_v_fp32 / inter_warps: the
       state terms (grid chunks x heads x K blocks; loops over V blocks; the
       V block with 16-bit / float32 intermediates).
-    wy_block_k / wy_block_v / wy_warps: the gradients through X (grid chunks
-      x heads; loops over K and V blocks).
+    wy_block_k / wy_block_k_fp32 / wy_block_v / wy_warps: the gradients
+      through X (grid chunks x heads; loops over K and V blocks; the K block
+      with 16-bit / float32 intermediates).
     wy_dot / wy_dot_fp16 / wy_dot_fp32: precision of its dots with X^T and
       of dw w^T with bfloat16 / float16 / float32 intermediates (the last
       float32-grade: "ieee", "tf32x3" or "bf16x6"); products of two 16-bit
@@ -484,6 +485,7 @@ class BackwardConfig:
     inter_block_v_fp32: int = 64
     inter_warps: int = 4
     wy_block_k: int = 32
+    wy_block_k_fp32: int = 32
     wy_block_v: int = 32
     wy_warps: int = 4
     wy_dot: str = "ieee"
@@ -501,6 +503,7 @@ class BackwardConfig:
         _check_fields(
             self, blocks=("prepare_block_k", "prepare_block_k_fp32", "state_block_v",
                           "inter_block_k", "inter_block_v", "inter_block_v_fp32", "wy_block_k",
+                          "wy_block_k_fp32",
                           "wy_block_v", "intra_block_k"),
             warps=("prepare_warps", "prepare_warps_fp32", "state_warps", "state_warps_wide",
                    "inter_warps", "wy_warps", "intra_warps"),
@@ -552,7 +555,8 @@ BACKWARD = {
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
-        wy_block_k=32, wy_block_v=32, wy_warps=8, wy_dot="bf16", wy_dot_fp16="bf16x3",
+        wy_block_k=32, wy_block_k_fp32=32, wy_block_v=32, wy_warps=8,
+        wy_dot="bf16", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
         intra_block_k=32, intra_warps=8, product_dot="tf32", product_dot_fp16="bf16x3",
         product_dot_fp32="bf16x3", fp32_dot="tf32x3",
@@ -573,7 +577,8 @@ BACKWARD = {
         state_stages_fp32=1, dstate_stages=2, dstate_stages_fp32=1,
         dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
-        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
+        wy_block_k=32, wy_block_k_fp32=32, wy_block_v=32, wy_warps=4,
+        wy_dot="bf16x3", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", product_dot_fp16="bf16x3",
         product_dot_fp32="bf16x3",
@@ -593,7 +598,8 @@ BACKWARD = {
         state_stages_fp32=1, dstate_stages=1, dstate_stages_fp32=1,
         dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
-        wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
+        wy_block_k=16, wy_block_k_fp32=16, wy_block_v=16, wy_warps=4,
+        wy_dot="bf16x3", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=8, product_dot="bf16x3", product_dot_fp16="bf16x3",
         product_dot_fp32="bf16x3",
@@ -613,7 +619,8 @@ BACKWARD = {
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
-        wy_block_k=32, wy_block_v=64, wy_warps=16, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
+        wy_block_k=32, wy_block_k_fp32=32, wy_block_v=64, wy_warps=16,
+        wy_dot="bf16x3", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=4, product_dot="bf16x3", product_dot_fp16="bf16x3",
         product_dot_fp32="bf16x3",
@@ -628,7 +635,8 @@ BACKWARD = {
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
-        wy_block_k=32, wy_block_v=32, wy_warps=4, wy_dot="ieee", wy_dot_fp16="ieee",
+        wy_block_k=32, wy_block_k_fp32=32, wy_block_v=32, wy_warps=4,
+        wy_dot="ieee", wy_dot_fp16="ieee",
         wy_dot_fp32="ieee",
         intra_block_k=32, intra_warps=4, product_dot="ieee", product_dot_fp16="ieee",
         product_dot_fp32="ieee",
@@ -652,7 +660,8 @@ BACKWARD_C32 = {
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=False,
         inter_block_k=16, inter_block_v=16, inter_block_v_fp32=16, inter_warps=4,
-        wy_block_k=16, wy_block_v=16, wy_warps=4, wy_dot="bf16x3", wy_dot_fp16="bf16x3",
+        wy_block_k=16, wy_block_k_fp32=16, wy_block_v=16, wy_warps=4,
+        wy_dot="bf16x3", wy_dot_fp16="bf16x3",
         wy_dot_fp32="ieee",
         intra_block_k=16, intra_warps=8, product_dot="bf16x3", product_dot_fp16="bf16x3",
         product_dot_fp32="bf16x3",

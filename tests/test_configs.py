@@ -181,7 +181,8 @@ def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, war
                                  prepare_block_k=64, prepare_block_k_fp32=32,
                                  prepare_warps=8, prepare_stages=3, prepare_warps_fp32=4,
                                  prepare_stages_fp32=1, prepare_split=False,
-                                 prepare_split_fp32=True, dstate_split_k=False)
+                                 prepare_split_fp32=True, dstate_split_k=False,
+                                 wy_block_k=32, wy_block_k_fp32=16)
     launches = backward_launches(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
                                  has_initial_state=True, has_final_grad=True,
                                  work=jnp.dtype(work))
@@ -189,6 +190,7 @@ def test_float32_values_apply_to_float32_intermediates_only(work, split, bv, war
     assert state.constexprs["SPLIT_K"] is split and not dstate.constexprs["SPLIT_K"]
     assert dstate.constexprs["BK"] == 128
     assert launches["kda_bwd_inter_kernel"].constexprs["BV"] == bv
+    assert launches["kda_bwd_wy_kernel"].constexprs["BK"] == (16 if split else 32)
     assert state.num_stages == dstate.num_stages == (1 if split else 2)
     prepare = recompute_launch(h=2, hv=2, kd=100, vd=64, opts=opts, config=bwd,
                                work=jnp.dtype(work))

@@ -139,7 +139,9 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             SCALE=float(opts.scale), DOT=dot_state),
             config.inter_warps, 1),
         KernelLaunch("kda_bwd_wy_kernel", dict(
-            H=h, **common, BK=_block(kd, config.wy_block_k), BV=_block(vd, config.wy_block_v),
+            H=h, **common, BK=_block(kd, (config.wy_block_k, config.wy_block_k,
+                                           config.wy_block_k_fp32)[by_work]),
+            BV=_block(vd, config.wy_block_v),
             SCALE=float(opts.scale), DOT_X=dot_code(
                 (config.wy_dot, config.wy_dot_fp16, config.wy_dot_fp32)[by_work])),
             config.wy_warps, 1),
