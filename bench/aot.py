@@ -818,7 +818,8 @@ def _pick(value: str | None, known, what: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.aot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.aot",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS),
                         help=f"comma list of {', '.join(TARGETS)} (default: all)")
     parser.add_argument("--specs", default=None,

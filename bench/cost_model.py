@@ -1,8 +1,9 @@
 """Estimated duration of each kernel at a problem shape, from its compiled sm90 code, on
 the CPU: what a design costs before the GPU times it.
 
-    python -m bench.cost_model [--shape 1,8192,32] [--tree DIR ...] [--kernels ...]
-                               [--measured PATH] [--json PATH]
+    python -m bench.cost_model [--shape 1,8192,32] [--tree DIR ...] [--variant CHANGES ...]
+        [--kernels ...] [--measured PATH] [--fit REV ...] [--overlap X]
+        [--untaken TREE=FILE:LINE ...] [--json PATH]
 
 Each kernel is compiled as `python -m bench.aot` compiles it (main spec: bf16, K = V =
 128, chunk 64; Triton's bundled ptxas; the SASS with source lines from nvdisasm). Then:
@@ -22,8 +23,10 @@ Each kernel is compiled as `python -m bench.aot` compiles it (main spec: bf16, K
    shared-memory ops two cycles, special functions eight), the largest of them; against
    that, one warp's own time (:func:`warp_cycles`: a scoreboard over the SASS's
    register operands, each result ready after its unit's latency, HGMMAs queued on the
-   tensor core until a WARPGROUP.DEPBAR, cp.async groups until a DEPBAR) times the
-   overlap. A wave takes the larger of the two.
+   tensor core until a WARPGROUP.DEPBAR, cp.async groups until a DEPBAR): its arithmetic
+   chain as it is (the scoreboard with ALU latencies everywhere, :data:`ALU_ONLY`), plus
+   what memory, the tensor core, shuffles and barriers add to it times the overlap. A
+   wave takes the larger of the two.
 4. **Memory.** Global bytes from the load and store instructions' widths (32 lanes each),
    against the L2's bandwidth (re-read tiles mostly hit it); and the arrays the kernel
    reads and writes (kda_jax.kernels.signatures, each array once, at the shape) against
@@ -57,7 +60,7 @@ import re
 import subprocess
 import sys
 
-from bench.sass_loops import _COMPILE, Instr, _short, parse
+from bench.sass_loops import _COMPILE, CHECKOUT, Instr, _short, parse
 
 # sm90 (H100 SXM): issue cost per warp instruction on its sub-partition's unit, in cycles,
 # and latency of its result, in cycles. Tensor-core instructions cost their multiply-adds
@@ -578,8 +581,9 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
         return row
     # A cache of its own per tree: a cached binary of equal source would carry another
     # tree's file names and line numbers.
-    # (bench.sweep, for a variant's values, from the working tree behind the tree's own.)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.getcwd()]),
+    # The tree first (its kda_jax), then this checkout (bench.aot for a tree without
+    # kda_jax.aot, bench.sweep for a variant's values).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), CHECKOUT]),
                TRITON_CACHE_DIR=out.rsplit("-", 1)[0] + ".triton-cache",
                KDA_COST_CHANGES=changes)
     env.pop("TRITON_INTERPRET", None)

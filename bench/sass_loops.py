@@ -30,6 +30,9 @@ import sys
 # Opcodes shown per loop, besides the total.
 SHOWN = ("BAR", "SHFL", "MUFU", "HGMMA", "LDS", "STS", "LDG", "STG")
 
+# The checkout holding this bench package.
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 _COMPILE = r"""
 import json, os, subprocess, sys
 os.environ.pop("TRITON_INTERPRET", None)
@@ -122,7 +125,10 @@ def compile_tree(tree: str, kernel: str, spec: str, out: str) -> dict:
     spills and occupancy."""
     # A cache of its own per tree: a cached binary of equal source would carry another
     # tree's file names and line numbers.
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=out + ".cache")
+    # The tree first (its kda_jax), then this checkout (bench.aot for a tree whose
+    # kda_jax has no aot module: the checkout's compile report compiles its kernels).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), CHECKOUT]),
+               TRITON_CACHE_DIR=out + ".cache")
     subprocess.run([sys.executable, "-c", _COMPILE, kernel, spec, out], env=env, check=True,
                    cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
     row = json.load(open(out + ".json"))

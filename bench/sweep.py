@@ -58,9 +58,10 @@ SEGMENT_VARIANTS = ("triton-noseg", "triton-seq")
 
 # "tree:PATH" times the Triton path of another kda_jax source tree (PATH holds
 # kda_jax/ with its kernels, e.g. from `git archive REV kda_jax | tar -x -C PATH`,
-# `kda_jax kernels` for a revision with the kernels outside the package) in the same run: the same benchmark module in a child process with
-# PATH first on sys.path (two kda_jax versions cannot share a process). It
-# keeps a replaced kernel design comparable with its successor in one run.
+# `kda_jax kernels` for a revision with the kernels outside the package) in the
+# same run: the same benchmark module in a child process with PATH first on
+# sys.path (two kda_jax versions cannot share a process). It keeps a replaced
+# kernel design comparable with its successor in one run.
 TREE = "tree:"
 
 

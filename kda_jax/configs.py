@@ -325,19 +325,21 @@ class RecurrentConfig:
             raise ValueError(f"stages={self.stages!r} must be >= 1")
 
 
-# A [128, 32] fp32 tile over 128 lanes is 32 values per lane (64 at K = 256).
-# One sentence each on why; measurements in docs/tuning.md ("Decode").
+# A [128, 32] fp32 tile over 64 lanes (2 warps or waves of 32, or 1 of 64) is
+# 64 values per lane, over 128 lanes 32 (twice that at K = 256). One sentence
+# each on why; measurements in docs/tuning.md ("Decode").
 RECURRENT = {
     # 32-wide tiles at 2 warps: against 64-wide dense / 32-wide pool tiles at
-    # 4 warps, the bf16 pool 0.303 against 0.356 ms and verify (S = 3) 1.025
+    # 4 warps, the bf16 pool 0.307 against 0.358 ms and verify (S = 3) 1.028
     # against 1.103 at N = 256, the float32 pool equal, the dense step 0.383
-    # against 0.373 (one H100 call, docs/tuning.md "Decode"); 64-wide dense
+    # against 0.374 (one H100 call, docs/tuning.md "Decode"); 64-wide dense
     # tiles at 2 warps put verify at 1.135.
     "sm90": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
-    # Untimed: 2 waves of 64 hold the tile as sm90's 4 warps of 32 do.
+    # Untimed: 2 waves of 64 hold the tile over 128 lanes, as sm90's 4 warps of
+    # 32 did before its 2-warp config.
     "gfx950": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
     "gfx942": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
-    # Untimed: wave32, so sm90's 4 warps of 32.
+    # Untimed: wave32, sm90's earlier 4 warps of 32 (128 lanes).
     "gfx1250": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=4, stages=2),
     "default": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=4, stages=2),
 }

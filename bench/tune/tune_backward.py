@@ -54,7 +54,7 @@ GRIDS = {
     # The products' backward (intra kernel) and the wy kernel's dots with X^T
     # for 16-bit intermediates: sm90's (tf32, X^T rounded to bf16 for bfloat16
     # ones; split-bf16 for float16 ones), bf16 products in both, split-bf16 in
-    # both (the config before).
+    # both (the config before), and float16 ones at bfloat16's choice.
     "product_precision": [
         {},
         dict(product_dot="bf16", product_dot_fp16="bf16", wy_dot_fp16="bf16"),
