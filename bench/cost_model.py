@@ -61,6 +61,7 @@ import subprocess
 import sys
 
 from bench.sass_loops import _COMPILE, CHECKOUT, Instr, _short, parse
+from bench.sweep import config_changes
 
 # sm90 (H100 SXM): issue cost per warp instruction on its sub-partition's unit, in cycles,
 # and latency of its result, in cycles. Tensor-core instructions cost their multiply-adds
@@ -557,12 +558,8 @@ def fit(rows: list[dict]) -> float:
 _CHANGES = r"""
 import dataclasses
 from kda_jax import configs
-from bench.sweep import _value_of
-fields = {"forward": {}, "backward": {}}
-for change in filter(None, os.environ.get("KDA_COST_CHANGES", "").split("+")):
-    name, _, text = change.partition("=")
-    owner, _, field = name.rpartition(".")
-    fields[owner or "forward"][field] = _value_of(text)
+from bench.sweep import config_changes
+fields = config_changes(os.environ["KDA_COST_CHANGES"])
 for table in (configs.FORWARD, configs.FORWARD_C32):
     table["sm90"] = dataclasses.replace(table["sm90"], **fields["forward"])
 for table in (configs.BACKWARD, configs.BACKWARD_C32):
@@ -670,6 +667,9 @@ def main(argv=None):
                    help="take the compiles already in --out (same trees, same order)")
     p.add_argument("--out", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "cost_model"))
     args = p.parse_args(argv)
+    for changes in args.variant:  # a bad field fails here, not in a child
+        if config_changes(changes)["segment"]:
+            raise SystemExit(f"--variant {changes!r}: segment fields do not change these kernels")
     shape = tuple(int(x) for x in args.shape.split(","))
     os.makedirs(args.out, exist_ok=True)
     untaken = collections.defaultdict(set)

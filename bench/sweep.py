@@ -96,29 +96,40 @@ def _arch_configs(arch: str):
                   configs.segment_config())
 
 
-def _changed_configs(changes: str):
-    """A context manager tracing under the device's forward, backward and
-    segment configs with ``changes`` ("FIELD=VALUE+backward.FIELD=VALUE+
-    segment.FIELD=VALUE"; a value is an integer, True, False, None or a name
-    such as a precision). The configs are built here, so a bad change raises
-    before anything runs."""
+def config_changes(changes: str) -> dict:
+    """``changes`` ("FIELD=VALUE+backward.FIELD=VALUE+segment.FIELD=VALUE"; a
+    value is an integer, True, False, None or a name such as a precision) as
+    {"forward": {field: value}, "backward": {...}, "segment": {...}}, each
+    field checked against its config class."""
     from kda_jax import configs
 
-    current = dict(forward=configs.forward_config(), backward=configs.backward_config(),
-                   segment=configs.segment_config())
-    fields = {owner: {} for owner in current}
+    kinds = dict(forward=configs.ForwardConfig, backward=configs.BackwardConfig,
+                 segment=configs.SegmentConfig)
+    fields = {owner: {} for owner in kinds}
     for change in changes.split("+"):
         name, _, text = change.partition("=")
         owner, _, field = name.rpartition(".")
         owner = owner or "forward"
-        config = current.get(owner)
-        if config is None or not text or field not in {f.name for f in dataclasses.fields(config)}:
+        kind = kinds.get(owner)
+        if kind is None or not text or field not in {f.name for f in dataclasses.fields(kind)}:
             raise ValueError(f"{change!r}: not FIELD=VALUE for a field of ForwardConfig (or "
                              "backward.FIELD=VALUE of BackwardConfig, segment.FIELD=VALUE of "
                              "SegmentConfig)")
         if field in fields[owner]:
             raise ValueError(f"{change!r}: {name} is set twice in {changes!r}")
         fields[owner][field] = _value_of(text)
+    return fields
+
+
+def _changed_configs(changes: str):
+    """A context manager tracing under the device's forward, backward and
+    segment configs with ``changes`` (:func:`config_changes`). The configs are
+    built here, so a bad change raises before anything runs."""
+    from kda_jax import configs
+
+    current = dict(forward=configs.forward_config(), backward=configs.backward_config(),
+                   segment=configs.segment_config())
+    fields = config_changes(changes)
     changed = {owner: dataclasses.replace(current[owner], **fields[owner]) for owner in current}
     return _under(changed["forward"], changed["backward"], changed["segment"])
 
