@@ -332,7 +332,7 @@ RECURRENT = {
     # 32-wide tiles at 2 warps: against 64-wide dense / 32-wide pool tiles at
     # 4 warps, the bf16 pool 0.307 against 0.358 ms and verify (S = 3) 1.028
     # against 1.103 at N = 256, the float32 pool equal, the dense step 0.383
-    # against 0.374 (one H100 call, docs/tuning.md "Decode"); 64-wide dense
+    # against 0.374 (one H100 run, docs/tuning.md "Decode"); 64-wide dense
     # tiles at 2 warps put verify at 1.135.
     "sm90": RecurrentConfig(block_v=32, block_v_bounds=32, block_v_wide=32, warps=2, stages=2),
     # Untimed: 2 waves of 64 hold the tile over 128 lanes, as sm90's 4 warps of
