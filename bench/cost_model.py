@@ -1,12 +1,15 @@
 """Estimated duration of each kernel at a problem shape, from its compiled sm90 code, on
 the CPU: what a design costs before the GPU times it.
 
-    python -m bench.cost_model [--shape 1,8192,32] [--tree DIR ...] [--variant CHANGES ...]
-        [--kernels ...] [--measured PATH] [--fit REV ...] [--overlap X]
+    python -m bench.cost_model [--shape 1,8192,32] [--spec main/c64/all] [--tree DIR ...]
+        [--variant CHANGES ...] [--kernels ...] [--measured PATH] [--fit REV ...] [--overlap X]
         [--untaken TREE=FILE:LINE ...] [--json PATH]
 
 Each kernel is compiled as `python -m bench.aot` compiles it (main spec: bf16, K = V =
-128, chunk 64; Triton's bundled ptxas; the SASS with source lines from nvdisasm). Then:
+128, chunk 64; Triton's bundled ptxas; the SASS with source lines from nvdisasm). ``--spec
+main/c64/all`` compiles the layer's form instead: the gate, L2 norm and beta sigmoid in
+the kernels, whose backward then takes float32 intermediates (that spec also carries an
+initial and a final state, a V-first state and negative eigenvalues). Then:
 
 1. **Instructions per warp at the shape.** Every loop of the SASS (a backward branch) is
    named by the source line of its `for`; its trip count comes from that line's
@@ -467,12 +470,17 @@ _ARRAY_ELEMENTS = {
 _TWO_BYTES = {"q", "k", "v", "do", "o", "w", "u", "qg", "kt", "aqk", "vn", "dvn"}
 
 
-def dram_bytes(kernel: str, c: dict, v: dict) -> int:
+_ELEMENT_BYTES = dict(bf16=2, fp16=2, fp32=4, fp64=8, i32=4, i64=8)
+
+
+def dram_bytes(kernel: str, c: dict, v: dict, pointers: dict | None = None) -> int:
     """Bytes of the arrays ``kernel`` reads and writes, each once, at the shape values
     ``v`` (constexprs ``c``): the traffic HBM cannot avoid, whatever the L2 keeps. The
     arguments are the working tree's kda_jax.kernels.signatures (the kernels of older
     trees take the same arrays); the prepare writes x and gc only as the backward's
-    recompute (STORE_X), the state kernel its checkpoints only when asked."""
+    recompute (STORE_X), the state kernel its checkpoints only when asked.
+    ``pointers``: the compiled signature's element type per array ("bf16", "fp32");
+    without it (or for an array it lacks) bench's dtypes, 16-bit intermediates."""
     from kda_jax.kernels.signatures import SIGNATURES
 
     sig = SIGNATURES["kda_fwd_prepare_kernel" if kernel == "kda_bwd_recompute" else kernel]
@@ -487,11 +495,15 @@ def dram_bytes(kernel: str, c: dict, v: dict) -> int:
     total = 0
     for name, _ in sig.args:
         if name in _ARRAY_ELEMENTS and name not in skip:
-            total += _ARRAY_ELEMENTS[name](d) * (2 if name in _TWO_BYTES else 4)
+            size = _ELEMENT_BYTES.get((pointers or {}).get(name, ""))
+            total += _ARRAY_ELEMENTS[name](d) * (size or (2 if name in _TWO_BYTES else 4))
     return total
 
 
 FORWARD = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
+# bench.aot's specs at the shapes' head dims (K = V = 128, chunk 64): the main case, and
+# the layer's form.
+SPECS = ("main/c64/default", "main/c64/all")
 BACKWARD = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
             "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
 
@@ -588,7 +600,7 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
         'json.dump({k: row[k] for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", '
         '"error")},',
         'json.dump({k: row.get(k) for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", '
-        '"error", "constexprs", "num_warps", "num_stages")},')
+        '"error", "constexprs", "num_warps", "num_stages", "pointers")},')
     if changes:
         code = code.replace("# (config changes)\n", _CHANGES)
     subprocess.run([sys.executable, "-c", code, kernel, spec, out], env=env, check=True,
@@ -602,8 +614,8 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
 
 def model_kernel(tree: str, kernel: str, shape: tuple, out: str,
                  untaken: set[str] = frozenset(), reuse: bool = False,
-                 changes: str = "") -> dict:
-    row = compile_kernel(tree, kernel, "main/c64/default", out, reuse, changes)
+                 changes: str = "", spec: str = "main/c64/default") -> dict:
+    row = compile_kernel(tree, kernel, spec, out, reuse, changes)
     instrs, loops = parse(row["sass"])
     c = row["constexprs"] or {}
     values = shape_values(*shape, bt=c.get("BT", 64))
@@ -613,7 +625,7 @@ def model_kernel(tree: str, kernel: str, shape: tuple, out: str,
     kept_loops, kept_trips = _loops_of(instrs, taken, loops, [r["trips"] for r in table])
     counts["warp_cycles"] = region_cycles(taken, kept_loops, kept_trips)
     counts["warp_cycles_alu"] = region_cycles(taken, kept_loops, kept_trips, ALU_ONLY)
-    counts["dram_bytes"] = dram_bytes(kernel, c, values)
+    counts["dram_bytes"] = dram_bytes(kernel, c, values, row.get("pointers"))
     launch = dict(programs=grid(kernel, c, values), warps=row["num_warps"],
                   regs=row["vgprs"], smem=row["lds_bytes"] or 0)
     return dict(kernel=kernel, tree=tree + (f":{changes}" if changes else ""), counts=counts,
@@ -653,6 +665,10 @@ def main(argv=None):
     p.add_argument("--variant", action="append", default=[],
                    help="FIELD=VALUE[+backward.FIELD=VALUE]: the working tree with these sm90 "
                         "config fields changed (repeatable)")
+    p.add_argument("--spec", default="main/c64/default", choices=SPECS,
+                   help="the bench.aot spec to compile (K = V = 128, chunk 64): "
+                        "main/c64/all is the layer's form (in-kernel gate, L2 norm and beta "
+                        "sigmoid; the backward's intermediates float32)")
     p.add_argument("--kernels", default=",".join(FORWARD + BACKWARD))
     p.add_argument("--measured", help="per-kernel durations to compare with and fit "
                    "(bench/results/h100-kernel-times.json)")
@@ -691,12 +707,14 @@ def main(argv=None):
         name = os.path.normpath(tree)
         label = name + (f":{changes}" if changes else "")
         for kernel in args.kernels.split(","):
-            out = os.path.join(args.out, re.sub(r"[^\w.=+-]", "_", label) + f"-{kernel}")
+            out = os.path.join(args.out, re.sub(r"[^\w.=+-]", "_", label)
+                               + ("" if args.spec == SPECS[0] else "@" + args.spec.replace("/", "_"))
+                               + f"-{kernel}")
             src = os.path.abspath(tree)
             # (The SASS names the sources by their path in the package.)
             skip = {w if w.startswith("/") else os.path.join(src, "kda_jax", "kernels", w)
                     for w in untaken.get(name, ())}
-            r = model_kernel(tree, kernel, shape, out, skip, args.reuse, changes)
+            r = model_kernel(tree, kernel, shape, out, skip, args.reuse, changes, args.spec)
             r["measured_us"] = None if changes else measured.get(name, {}).get(kernel)
             rows.append(r)
             print(f"compiled {kernel} ({label})", file=sys.stderr)

@@ -49,7 +49,9 @@ def keep(*a, **k):
     captured["c"] = compile_(*a, **k)
     return captured["c"]
 triton.compile = keep
-spec = {s.name: s for s in aot.SPECS}[spec_name]
+# A spec by its name, or by the name less a pool suffix ("main/c64/all" for
+# "main/c64/all/bf16-pool", whose pool changes no chunked kernel).
+spec = next(s for s in aot.SPECS if s.name == spec_name or s.name.startswith(spec_name + "/"))
 row = aot.compile_one(kernel, "sm90", spec)
 c = captured.get("c")
 if c is not None:
@@ -58,6 +60,9 @@ if c is not None:
     tool = os.path.join(os.path.dirname(compiler.__file__), "bin", "nvdisasm")
     sass = subprocess.run([tool, "-c", "-g", out + ".cubin"], capture_output=True, text=True)
     open(out + ".sass", "w").write(sass.stdout)
+# The pointer arguments' element types ("bf16", "fp32", ...), for the cost model's bytes.
+sig = getattr(getattr(c, "src", None), "signature", None) or {}
+row["pointers"] = {n: t[1:] for n, t in sig.items() if isinstance(t, str) and t.startswith("*")}
 json.dump({k: row[k] for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", "error")},
           open(out + ".json", "w"))
 """

@@ -418,7 +418,8 @@ class BackwardConfig:
 
     Both state passes (forward h and reverse dS; one program per sequence,
     head and V block):
-    state_block_v: their V block.
+    state_block_v / state_block_v_fp32: their V block with 16-bit / float32
+      intermediates.
     state_warps / state_warps_wide: their warps at K <= 128 / past it.
     state_stages / state_stages_fp32: the forward pass's stages at K <= 128
       with 16-bit / float32 intermediates (past K = 128 one stage: two
@@ -475,6 +476,7 @@ class BackwardConfig:
     inverse_dot: str = "ieee"
     prepare_dot_fp32: str = "ieee"
     state_block_v: int = 32
+    state_block_v_fp32: int = 32
     state_warps: int = 4
     state_warps_wide: int = 4
     state_stages: int = 2
@@ -504,8 +506,8 @@ class BackwardConfig:
     def __post_init__(self):
         _check_fields(
             self, blocks=("prepare_block_k", "prepare_block_k_fp32", "state_block_v",
-                          "inter_block_k", "inter_block_v", "inter_block_v_fp32", "wy_block_k",
-                          "wy_block_k_fp32",
+                          "state_block_v_fp32", "inter_block_k", "inter_block_v",
+                          "inter_block_v_fp32", "wy_block_k", "wy_block_k_fp32",
                           "wy_block_v", "intra_block_k"),
             warps=("prepare_warps", "prepare_warps_fp32", "state_warps", "state_warps_wide",
                    "inter_warps", "wy_warps", "intra_warps"),
@@ -539,11 +541,16 @@ BACKWARD = {
     # the forward's w/u round it), 0.70 ms faster than split-bf16 ones, the
     # gradients within 3.6e-3 (bf16 products in both: 0.23 ms more off, dg at
     # 6.6e-3); float16 ones keep split-bf16 (with tf32 and bf16, dv and dg at
-    # 1.9-2.0e-3 against the 2e-3 bar); tf32x3 with float32 intermediates
-    # in the state passes and the inter kernel, split-bf16 in the products';
+    # 1.9-2.0e-3 against the 2e-3 bar). Float32 intermediates (the layer's
+    # in-kernel gate, float32 inputs): split-bf16 in the state passes, the
+    # inter kernel and the products' backward, their state passes over
+    # 32-wide V blocks (one wave of 128 programs at (1, 8192, 32), where
+    # 16-wide ones took two), tf32x3 in wy over 16-wide K blocks (32 bytes
+    # spill under Triton 3.6, none under 3.9): 11.30 against 12.45 ms at the
+    # layer's gates, the GPU gradient tiers passing (docs/tuning.md).
     # 32-wide intra K blocks at 8 warps (each chunk's [BT, BT] work half as
-    # often as at 16; 64-wide ones spill); the largest wy blocks that compile
-    # without spills at every spec; the in-kernel gate's float32
+    # often as at 16; 64-wide ones spill); the largest 16-bit wy blocks that
+    # compile without spills at every spec; the in-kernel gate's float32
     # intermediates up to K = 128 (at K = 256 the float32 state passes spill
     # over a KiB); the state passes a launch each at two stages (one launch,
     # or the reverse pass at one stage, measured no faster: docs/tuning.md).
@@ -553,15 +560,16 @@ BACKWARD = {
         prepare_split=False, prepare_split_fp32=True,
         prepare_dot="tf32", prepare_wu_dot="bf16", inverse_dot="tf32",
         prepare_dot_fp32="bf16x3",
-        state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
+        state_block_v=16, state_block_v_fp32=32, state_warps=4,
+        state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True,
         inter_block_k=32, inter_block_v=64, inter_block_v_fp32=32, inter_warps=4,
-        wy_block_k=32, wy_block_k_fp32=32, wy_block_v=32, wy_warps=8,
+        wy_block_k=32, wy_block_k_fp32=16, wy_block_v=32, wy_warps=8,
         wy_dot="bf16", wy_dot_fp16="bf16x3",
-        wy_dot_fp32="ieee",
+        wy_dot_fp32="tf32x3",
         intra_block_k=32, intra_warps=8, product_dot="tf32", product_dot_fp16="bf16x3",
-        product_dot_fp32="bf16x3", fp32_dot="tf32x3",
+        product_dot_fp32="bf16x3", fp32_dot="bf16x3",
         gate_fp32_max_k=128),
     # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
     # w/u included); float32 intermediates keep "ieee" in the state passes and
@@ -575,7 +583,8 @@ BACKWARD = {
         prepare_warps_fp32=4, prepare_stages_fp32=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
-        state_block_v=32, state_warps=2, state_warps_wide=2, state_stages=2,
+        state_block_v=32, state_block_v_fp32=32, state_warps=2,
+        state_warps_wide=2, state_stages=2,
         state_stages_fp32=1, dstate_stages=2, dstate_stages_fp32=1,
         dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
@@ -596,7 +605,8 @@ BACKWARD = {
         prepare_warps_fp32=8, prepare_stages_fp32=1,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
-        state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=1,
+        state_block_v=32, state_block_v_fp32=32, state_warps=4,
+        state_warps_wide=4, state_stages=1,
         state_stages_fp32=1, dstate_stages=1, dstate_stages_fp32=1,
         dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=2,
@@ -617,7 +627,8 @@ BACKWARD = {
         prepare_split=True, prepare_split_fp32=True,
         prepare_dot="bf16x3", prepare_wu_dot="bf16x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
-        state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
+        state_block_v=32, state_block_v_fp32=32, state_warps=4,
+        state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
@@ -633,7 +644,8 @@ BACKWARD = {
         prepare_block_k=64, prepare_block_k_fp32=64, prepare_warps=4, prepare_stages=1,
         prepare_warps_fp32=4, prepare_stages_fp32=1,
         prepare_dot="ieee", prepare_wu_dot="ieee", inverse_dot="ieee", prepare_dot_fp32="ieee",
-        state_block_v=32, state_warps=4, state_warps_wide=4, state_stages=2,
+        state_block_v=32, state_block_v_fp32=32, state_warps=4,
+        state_warps_wide=4, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=True,
         inter_block_k=64, inter_block_v=64, inter_block_v_fp32=64, inter_warps=4,
@@ -658,7 +670,8 @@ BACKWARD_C32 = {
         prepare_split=True, prepare_split_fp32=True,
         prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
         prepare_dot_fp32="bf16x3",
-        state_block_v=16, state_warps=4, state_warps_wide=8, state_stages=2,
+        state_block_v=16, state_block_v_fp32=16, state_warps=4,
+        state_warps_wide=8, state_stages=2,
         state_stages_fp32=2, dstate_stages=2, dstate_stages_fp32=2,
         dstate_split_k=False,
         inter_block_k=16, inter_block_v=16, inter_block_v_fp32=16, inter_warps=4,

@@ -136,6 +136,10 @@ def test_dram_bytes_counts_each_array_once():
     fwd = cm.dram_bytes("kda_fwd_prepare_kernel", c, v)
     extra = 8192 * 32 * 64 * 4 + tk * 4  # x, gc
     assert cm.dram_bytes("kda_bwd_recompute", dict(c, STORE_X=True), v) == fwd + extra
+    # The compiled signature's types win: float32 intermediates (the layer's backward)
+    # double vn and dvn, and a bf16 g halves it.
+    typed = cm.dram_bytes("kda_bwd_inter_kernel", c, v, dict(vn="fp32", dvn="fp32", g="bf16"))
+    assert typed == want + 2 * tk * 2 - tk * 2
     counts = collections.Counter(gmem_bytes=0, dram_bytes=3e9)
     e = cm.estimate(counts, programs=132, warps=4, regs=64, smem=0, overlap=1.0)
     assert e["bound"] == "memory"

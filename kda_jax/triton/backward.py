@@ -100,7 +100,8 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     bt = opts.chunk_size
     sixteen_bit = jnp.dtype(work).itemsize == 2
     bk_state = next_pow2(max(kd, 16))
-    bv_state = min(next_pow2(max(vd, 16)), config.state_block_v)
+    bv_state = min(next_pow2(max(vd, 16)),
+                   config.state_block_v if sixteen_bit else config.state_block_v_fp32)
     # Past K = 128 the pipelined [BT, K] tiles outgrow shared memory (as forward).
     if bk_state > 128:
         state_warps, state_stages, dstate_stages = config.state_warps_wide, 1, 1
