@@ -135,10 +135,13 @@ def _source(path: str) -> list[str]:
     return _SOURCES[path]
 
 
-def loop_lines(instrs: list[Instr], loops: list[tuple[int, int]]) -> list[str]:
+def loop_lines(instrs: list[Instr], loops: list[tuple[int, int]],
+               strict: bool = True) -> list[str | None]:
     """Each loop's `for` line ("file:line"): among the source lines of its body, the `for`
     line with the most instructions, inner loops' lines excluded (ptxas moves the back
-    edge's own line around; the induction variable's update keeps the `for` line)."""
+    edge's own line around; the induction variable's update keeps the `for` line).
+    ``strict``: a loop with no `for` line is an error; else its line is None (a loop the
+    compiler made, such as AMDGCN's waterfall loops)."""
     order = sorted(range(len(loops)), key=lambda i: loops[i][1] - loops[i][0])
     claimed, out = {}, [None] * len(loops)
     for i in order:
@@ -158,7 +161,10 @@ def loop_lines(instrs: list[Instr], loops: list[tuple[int, int]]) -> list[str]:
                     and (_FOR.match(src[n - 1]) or _WHILE.match(src[n - 1]))):
                 seen[ins.where] += 1
         if not seen:
-            raise ValueError(f"the loop ending at {instrs[last].where} holds no `for` line")
+            if strict:
+                raise ValueError(f"the loop ending at {instrs[last].where} holds no `for` "
+                                 "line")
+            continue
         out[i] = claimed[i] = seen.most_common(1)[0][0]
     return out
 
