@@ -602,11 +602,7 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
                TRITON_CACHE_DIR=out.rsplit("-", 1)[0] + ".triton-cache",
                KDA_COST_CHANGES=changes)
     env.pop("TRITON_INTERPRET", None)
-    code = _COMPILE.replace(
-        'json.dump({k: row[k] for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", '
-        '"error")},',
-        'json.dump({k: row.get(k) for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", '
-        '"error", "constexprs", "num_warps", "num_stages", "pointers")},')
+    code = _COMPILE
     if changes:
         code = code.replace("# (config changes)\n", _CHANGES)
     subprocess.run([sys.executable, "-c", code, kernel, spec, out], env=env, check=True,

@@ -44,7 +44,7 @@ import sys
 
 from bench import aot_isa
 from bench import cost_model as cm
-from bench.sass_loops import CHECKOUT, Instr
+from bench.sass_loops import _COMPILE, CHECKOUT, Instr
 
 # Per target: CUs and clock of the part, HBM bandwidth (90 % of the peak), lanes per wave
 # and per SIMD's VALU, and the latencies a wave waits for at an s_waitcnt. gfx950:
@@ -92,12 +92,10 @@ def unit(op: str) -> str:
     return "other"
 
 
-_BLOCK = re.compile(r"^(?:(\.LBB\d+_\d+):|;\s*%bb\.\d+:)")
-_HEADER = re.compile(r"Loop Header: Depth=\d+")
-_IN_LOOP = re.compile(r"in Loop: Header=(BB\d+_\d+)")
-_PARENT = re.compile(r"Parent Loop (BB\d+_\d+)")
-_LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)\s+")
-_FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]*)"(?:\s+"([^"]*)")?')
+# AMDGCN's blocks, LLVM's loop comments and the debug lines, as bench.aot_isa reads them.
+_BLOCK = aot_isa._BLOCK["hip"]
+_HEADER, _IN_LOOP, _PARENT = aot_isa._HEADER, aot_isa._IN_LOOP, aot_isa._PARENT
+_LOC = aot_isa._LOC
 
 
 def parse(asm: str) -> tuple[list[Instr], list[tuple[int, int]]]:
@@ -105,12 +103,7 @@ def parse(asm: str) -> tuple[list[Instr], list[tuple[int, int]]]:
     and its loops as (first, last) instruction indices, from the loop comments LLVM writes
     on each block ("Loop Header", "in Loop: Header=", "Parent Loop"): a loop spans the
     blocks of it and of the loops inside it (LLVM lays a loop's blocks out together)."""
-    files = {}
-    for line in asm.splitlines():
-        m = _FILE.match(line)
-        if m:
-            files[int(m.group(1))] = (os.path.join(m.group(2), m.group(3)) if m.group(3)
-                                      else m.group(2))
+    files = aot_isa._files(asm, "hip")
     instrs, owner, parents = [], [], {}
     where, loop, label, chain = "", None, None, []
     for line in asm.splitlines():
@@ -130,7 +123,7 @@ def parse(asm: str) -> tuple[list[Instr], list[tuple[int, int]]]:
             i = _IN_LOOP.search(comment)
             if i:
                 loop = i.group(1)
-            chain += _PARENT.findall(comment)
+            chain += [p.group(1) for p in _PARENT.finditer(comment)]
             if loop is not None:
                 parents[loop] = chain[-1] if chain else parents.get(loop)
             continue
@@ -227,35 +220,6 @@ def estimate(counts, *, programs: int, warps: int, occupancy: int, overlap: floa
                 chain_cycles=chain, memory_us=memory_us, bound=bound)
 
 
-_COMPILE = r"""
-import json, os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-try:
-    from kda_jax import aot
-except ImportError:
-    from bench import aot
-# (config changes)
-kernel, target, spec_name, out = sys.argv[1:5]
-captured = {}
-compile_ = triton.compile
-def keep(*a, **k):
-    captured["c"] = compile_(*a, **k)
-    return captured["c"]
-triton.compile = keep
-spec = next(s for s in aot.SPECS if s.name == spec_name or s.name.startswith(spec_name + "/"))
-row = aot.compile_one(kernel, target, spec)
-c = captured.get("c")
-if c is not None:
-    open(out + ".s", "w").write(c.asm["amdgcn"])
-sig = getattr(getattr(c, "src", None), "signature", None) or {}
-row["pointers"] = {n: t[1:] for n, t in sig.items() if isinstance(t, str) and t.startswith("*")}
-json.dump({k: row.get(k) for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", "error",
-                                   "constexprs", "num_warps", "pointers")},
-          open(out + ".json", "w"))
-"""
-
-
 def compile_kernel(tree: str, kernel: str, target: str, spec: str, out: str,
                    reuse: bool = False, changes: str = "") -> dict:
     """Compiles ``kernel`` of the tree for ``target`` in a child process (its own kda_jax);
@@ -273,7 +237,7 @@ def compile_kernel(tree: str, kernel: str, target: str, spec: str, out: str,
     if changes:
         code = code.replace("# (config changes)\n",
                             cm._CHANGES.replace('["sm90"]', f'["{target}"]'))
-    subprocess.run([sys.executable, "-c", code, kernel, target, spec, out], env=env,
+    subprocess.run([sys.executable, "-c", code, kernel, spec, out, target], env=env,
                    check=True, cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
     row = json.load(open(out + ".json"))
     if not os.path.exists(out + ".s"):

@@ -33,6 +33,12 @@ SHOWN = ("BAR", "SHFL", "MUFU", "HGMMA", "LDS", "STS", "LDG", "STG")
 # The checkout holding this bench package.
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The child process that compiles one kernel of a source tree (its own kda_jax) for one
+# target: argv KERNEL SPEC OUT [TARGET] (default sm90). It writes OUT.sass (sm90: nvdisasm
+# of the cubin, with source lines) or OUT.s (AMDGCN), and OUT.json: the compile report's
+# fields, the launch's constexprs and the pointer arguments' element types ("bf16",
+# "fp32", ...), which the cost models count bytes by. "# (config changes)" is where a
+# caller inserts code that edits the config tables first.
 _COMPILE = r"""
 import json, os, subprocess, sys
 os.environ.pop("TRITON_INTERPRET", None)
@@ -43,6 +49,7 @@ except ImportError:
     from bench import aot
 # (config changes)
 kernel, spec_name, out = sys.argv[1:4]
+target = sys.argv[4] if len(sys.argv) > 4 else "sm90"
 captured = {}
 compile_ = triton.compile
 def keep(*a, **k):
@@ -52,18 +59,20 @@ triton.compile = keep
 # A spec by its name, or by the name less a pool suffix ("main/c64/all" for
 # "main/c64/all/bf16-pool", whose pool changes no chunked kernel).
 spec = next(s for s in aot.SPECS if s.name == spec_name or s.name.startswith(spec_name + "/"))
-row = aot.compile_one(kernel, "sm90", spec)
+row = aot.compile_one(kernel, target, spec)
 c = captured.get("c")
-if c is not None:
+if c is not None and target == "sm90":
     open(out + ".cubin", "wb").write(c.asm["cubin"])
     from triton.backends.nvidia import compiler
     tool = os.path.join(os.path.dirname(compiler.__file__), "bin", "nvdisasm")
     sass = subprocess.run([tool, "-c", "-g", out + ".cubin"], capture_output=True, text=True)
     open(out + ".sass", "w").write(sass.stdout)
-# The pointer arguments' element types ("bf16", "fp32", ...), for the cost model's bytes.
+elif c is not None:
+    open(out + ".s", "w").write(c.asm["amdgcn"])
 sig = getattr(getattr(c, "src", None), "signature", None) or {}
 row["pointers"] = {n: t[1:] for n, t in sig.items() if isinstance(t, str) and t.startswith("*")}
-json.dump({k: row[k] for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", "error")},
+json.dump({k: row.get(k) for k in ("vgprs", "vgpr_spills", "lds_bytes", "occupancy", "error",
+                                   "constexprs", "num_warps", "num_stages", "pointers")},
           open(out + ".json", "w"))
 """
 
