@@ -154,7 +154,7 @@ def test_float32_inputs_merge_the_inverse_at_fp32_dot(work, expected):
     prepare, _ = forward_launches(h=2, hv=2, kd=64, vd=64, opts=KdaOptions(scale=0.125), config=config,
                                   work=jnp.dtype(work), has_a_log=False, has_dt_bias=False,
                                   has_initial_state=False)
-    assert configs.DOT_MODES[prepare.constexprs["DOT_INV"]] == expected
+    assert prepare.constexprs["DOT_INV"] == expected
 
 
 @pytest.mark.parametrize("work, split, bv, warps", [("bfloat16", False, 32, 4),
@@ -216,9 +216,8 @@ def test_product_precisions_follow_the_intermediates_dtype(work, mode):
     launches = backward_launches(h=2, hv=2, kd=64, vd=64, opts=KdaOptions(scale=0.1),
                                  config=bwd, has_initial_state=False, has_final_grad=False,
                                  work=jnp.dtype(work))
-    code = configs.DOT_MODES.index(mode)
-    assert launches["kda_bwd_intra_kernel"].constexprs["DOT_A"] == code
-    assert launches["kda_bwd_wy_kernel"].constexprs["DOT_X"] == code
+    assert launches["kda_bwd_intra_kernel"].constexprs["DOT_A"] == mode
+    assert launches["kda_bwd_wy_kernel"].constexprs["DOT_X"] == mode
 
 
 def test_split_bf16_modes_are_valid_and_run_as_ieee_in_the_interpreter(monkeypatch):
@@ -227,7 +226,7 @@ def test_split_bf16_modes_are_valid_and_run_as_ieee_in_the_interpreter(monkeypat
     only ieee/tf32/tf32x3, gets "ieee" for them."""
     import dataclasses
 
-    from kda_jax.triton.launch import dot_code
+    from kda_jax.triton.launch import dot_precision
 
     base = configs.BackwardConfig()
     for mode in ("bf16x3", "bf16x6"):
@@ -237,10 +236,12 @@ def test_split_bf16_modes_are_valid_and_run_as_ieee_in_the_interpreter(monkeypat
     with pytest.raises(ValueError, match="float32-grade"):
         dataclasses.replace(base, wy_dot_fp32="bf16x3")
     monkeypatch.setenv("KDA_JAX_INTERPRET", "1")
-    assert dot_code("bf16x3") == dot_code("bf16x6") == configs.DOT_MODES.index("ieee")
-    assert dot_code("tf32") == configs.DOT_MODES.index("tf32")
+    assert dot_precision("bf16x3") == dot_precision("bf16x6") == "ieee"
+    assert dot_precision("tf32") == "tf32"
     monkeypatch.setenv("KDA_JAX_INTERPRET", "0")
-    assert dot_code("bf16x3") == configs.DOT_MODES.index("bf16x3")
+    assert dot_precision("bf16x3") == "bf16x3"
+    with pytest.raises(ValueError, match="'fp16'.*one of ieee"):
+        dot_precision("fp16")
 
 
 @pytest.mark.parametrize("version, ok", [("3.5.0+rocm7.0.0", False), ("3.5.1", False),
@@ -251,13 +252,13 @@ def test_split_bf16_modes_need_triton_3_6(monkeypatch, version, ok):
     inside Triton; other modes are unaffected."""
     import triton
 
-    from kda_jax.triton.launch import dot_code
+    from kda_jax.triton.launch import dot_precision
 
     monkeypatch.setenv("KDA_JAX_INTERPRET", "0")
     monkeypatch.setattr(triton, "__version__", version)
-    assert dot_code("ieee") == configs.DOT_MODES.index("ieee")
+    assert dot_precision("ieee") == "ieee"
     if ok:
-        assert dot_code("bf16x6") == configs.DOT_MODES.index("bf16x6")
+        assert dot_precision("bf16x6") == "bf16x6"
     else:
         with pytest.raises(RuntimeError, match=r"'bf16x3' products.*triton>=3\.6"):
-            dot_code("bf16x3")
+            dot_precision("bf16x3")

@@ -268,7 +268,7 @@ def test_segmented_pass_v_block_only_for_whole_16_bit_blocks():
     assert launch(jnp.bfloat16, 96) == (fwd.state_block_v, fwd.state_warps, 64, 2)
     assert launch(jnp.float32, 128) == (fwd.state_block_v_fp32, fwd.state_warps_fp32, 64, 2)
     from kda_jax.triton.launch import KernelLaunch
-    bwd_state = KernelLaunch("kda_bwd_state_kernel", dict(HV=4, K=128, V=128, BT=64, BV=16, DOT=0),
+    bwd_state = KernelLaunch("kda_bwd_state_kernel", dict(HV=4, K=128, V=128, BT=64, BV=16, DOT="ieee"),
                              4, 3)
     bwd_map = state_chain.chain_launches(bwd_state, seg, use_h0=False, backward=True).map
     assert (bwd_map.constexprs["BV"], bwd_map.num_warps, bwd_map.num_stages) == (16, 4, 3)
@@ -473,7 +473,7 @@ def test_map_launch_follows_the_state_pass_unless_set():
     from kda_jax.triton.launch import KernelLaunch
 
     state = KernelLaunch("kda_fwd_state_output_kernel",
-                         dict(HV=4, K=128, V=128, BT=64, BV=32, DOT=0), 4, 3)
+                         dict(HV=4, K=128, V=128, BT=64, BV=32, DOT="ieee"), 4, 3)
     plain = state_chain.chain_launches(state, configs.SegmentConfig(), use_h0=False).map
     assert (plain.constexprs["BV"], plain.num_warps, plain.num_stages) == (32, 4, 3)
     cfg = configs.SegmentConfig(map_block_v=64, map_warps=8, map_stages=2, fold_block_j=None,

@@ -386,7 +386,7 @@ def _dot_16(a, b, DOT: tl.constexpr):
     registers; else in float32 at precision DOT (as common.dot)."""
     if a.dtype == b.dtype and a.dtype.primitive_bitwidth == 16:
         return tl.dot(a, b)
-    elif DOT == 4 and b.dtype == tl.bfloat16:
+    elif DOT == "bf16x3" and b.dtype == tl.bfloat16:
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
         return tl.dot(a_hi, b, tl.dot(a_lo, b))
@@ -412,7 +412,7 @@ def _xt_dot(x, b, t0, n_rows, r64, m_t, i_hv, o_c, m_c, HV: tl.constexpr, N: tl.
     twice, and halves of them fit gfx1250's waves at occupancy 6
     (docs/tuning.md, "AMD product precisions"); other precisions take one
     product (halves spill sm90's float32 form)."""
-    HALF: tl.constexpr = BT // 2 if DOT == 4 else BT
+    HALF: tl.constexpr = BT // 2 if DOT == "bf16x3" else BT
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for h in tl.static_range(0, BT, HALF):
         o_h = h + tl.arange(0, HALF)

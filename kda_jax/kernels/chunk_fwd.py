@@ -329,7 +329,7 @@ def kda_fwd_prepare_kernel(
     if STORE_X:
         tl.store(x + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :], tl.trans(b_x),
                  mask=m_t[:, None])
-    if DOT_WU == 3:
+    if DOT_WU == "bf16":
         b_x = b_x.to(tl.bfloat16).to(tl.float32)  # rounded once, not per product
 
     # Pass 3: w = X (beta * k * exp(G)), from the rows pass 1 stored (the

@@ -17,24 +17,16 @@ from .varlen import chunk_span
 
 @triton.jit
 def dot(a, b, DOT: tl.constexpr, acc=None):
-    """acc + a @ b (acc None: zeros), float32 accumulate. DOT indexes
-    kda_jax.configs.DOT_MODES: 0 = fp32 "ieee", 1 = "tf32x3" (NVIDIA: three
-    tf32 products, about fp32 accuracy), 2 = "tf32", 3 = operands rounded to
-    bf16, 4 = "bf16x3" (three bf16 products of a two-term split, about 1e-5
-    relative), 5 = "bf16x6" (six products of a three-term split, about fp32
+    """acc + a @ b (acc None: zeros), float32 accumulate. DOT, one of
+    kda_jax.configs.DOT_MODES: "ieee" (fp32), "tf32x3" (NVIDIA: three tf32
+    products, about fp32 accuracy), "tf32", "bf16" (operands rounded to
+    bf16), "bf16x3" (three bf16 products of a two-term split, about 1e-5
+    relative), "bf16x6" (six products of a three-term split, about fp32
     accuracy)."""
-    if DOT == 1:
-        return tl.dot(a, b, acc, input_precision="tf32x3")
-    elif DOT == 2:
-        return tl.dot(a, b, acc, input_precision="tf32")
-    elif DOT == 3:
+    if DOT == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    elif DOT == 4:
-        return tl.dot(a, b, acc, input_precision="bf16x3")
-    elif DOT == 5:
-        return tl.dot(a, b, acc, input_precision="bf16x6")
     else:
-        return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision=DOT)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ from kda_jax.configs import BackwardConfig, ForwardConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward import chunk_kda_triton, forward_launches, split_state_k, work_dtype
 from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, PACKED, ROWS, STATE, foldable
-from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel,
+from kda_jax.triton.launch import (KernelLaunch, dot_precision, interpret_mode, launch_kernel,
                                    stand_in)
 from kda_jax.triton import state_chain
 from kda_jax.triton.partitioning import (CALL, GRAD_CALL, GRADS, PARAMS, partitioned,
@@ -116,12 +116,12 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     split_rev = split and config.dstate_split_k
     # Product precisions by the intermediates' dtype: bfloat16, float16, float32.
     by_work = {"bfloat16": 0, "float16": 1, "float32": 2}[jnp.dtype(work).name]
-    dot_a = dot_code((config.product_dot, config.product_dot_fp16,
+    dot_a = dot_precision((config.product_dot, config.product_dot_fp16,
                       config.product_dot_fp32)[by_work])
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
     # take fp32_dot.
-    dot_state = 0 if sixteen_bit else dot_code(config.fp32_dot)
+    dot_state = "ieee" if sixteen_bit else dot_precision(config.fp32_dot)
     common = dict(HV=hv, K=kd, V=vd, BT=bt)
     launches = [
         KernelLaunch("kda_bwd_state_kernel", dict(
@@ -143,7 +143,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             H=h, **common, BK=_block(kd, (config.wy_block_k, config.wy_block_k,
                                            config.wy_block_k_fp32)[by_work]),
             BV=_block(vd, config.wy_block_v),
-            SCALE=float(opts.scale), DOT_X=dot_code(
+            SCALE=float(opts.scale), DOT_X=dot_precision(
                 (config.wy_dot, config.wy_dot_fp16, config.wy_dot_fp32)[by_work])),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(

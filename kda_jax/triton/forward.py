@@ -25,7 +25,7 @@ from kda_jax.batch import kernel_metadata
 from kda_jax.configs import ForwardConfig, SegmentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
-from kda_jax.triton.launch import (KernelLaunch, dot_code, interpret_mode, launch_kernel, stand_in,
+from kda_jax.triton.launch import (KernelLaunch, dot_precision, interpret_mode, launch_kernel, stand_in,
                                    transform_constexprs)
 from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton import state_chain
@@ -95,9 +95,9 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                    config.prepare_block_k if sixteen_bit else config.prepare_block_k_fp32),
             BV=min(next_pow2(max(vd, 16)), 64),
             **transform_constexprs(opts, has_a_log=has_a_log, has_dt_bias=has_dt_bias),
-            DOT_A=dot_code(config.prepare_dot if sixteen_bit else config.fp32_dot),
-            DOT_WU=dot_code(config.prepare_wu_dot if sixteen_bit else config.fp32_dot),
-            DOT_INV=dot_code(config.inverse_dot if sixteen_bit else config.fp32_dot),
+            DOT_A=dot_precision(config.prepare_dot if sixteen_bit else config.fp32_dot),
+            DOT_WU=dot_precision(config.prepare_wu_dot if sixteen_bit else config.fp32_dot),
+            DOT_INV=dot_precision(config.inverse_dot if sixteen_bit else config.fp32_dot),
             STORE_X=store_x,
             SPLIT_PASSES=config.prepare_split if sixteen_bit else config.prepare_split_fp32,
         ),
@@ -119,7 +119,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             STATE_V_FIRST=opts.state_v_first,
             INDEXED_STATE=indexed_state,
             # 16-bit intermediates make 16-bit products; float32 ones take fp32_dot.
-            DOT=0 if sixteen_bit else dot_code(config.fp32_dot),
+            DOT="ieee" if sixteen_bit else dot_precision(config.fp32_dot),
             SPLIT_K=split,  # the state as two [BK, BV] tiles
             CHECKPOINT_CHUNKS=checkpoint_chunks,
         ),

@@ -72,16 +72,18 @@ def interpret_mode() -> bool:
     return os.environ.get("KDA_JAX_INTERPRET", "") == "1"
 
 
-def dot_code(mode: str) -> int:
-    """The kernels' DOT constexpr for product precision ``mode`` (an entry of
-    :data:`kda_jax.configs.DOT_MODES`). Triton's interpreter computes every
-    product in float32 and accepts only "ieee", "tf32" and "tf32x3", so the
-    split-bf16 modes run as "ieee" there; elsewhere they need Triton >= 3.6
-    (:func:`kda_jax.triton.compat.check_dot_mode`)."""
+def dot_precision(mode: str) -> str:
+    """The kernels' DOT constexpr (a string, as ``tl.dot``'s input_precision)
+    for product precision ``mode``, an entry of :data:`kda_jax.configs.DOT_MODES`.
+    Triton's interpreter computes every product in float32 and accepts only
+    "ieee", "tf32" and "tf32x3", so the split-bf16 modes run as "ieee" there;
+    elsewhere they need Triton >= 3.6 (:func:`kda_jax.triton.compat.check_dot_mode`)."""
+    if mode not in DOT_MODES:
+        raise ValueError(f"product precision {mode!r}: one of {', '.join(DOT_MODES)}")
     if interpret_mode() and mode in ("bf16x3", "bf16x6"):
-        return DOT_MODES.index("ieee")
+        return "ieee"
     compat.check_dot_mode(mode)
-    return DOT_MODES.index(mode)
+    return mode
 
 
 _GUARD_MODES = {"": None, "0": None, "1": "end", "end": "end", "start": "start"}

@@ -35,7 +35,7 @@ import numpy as np
 from kda_jax import configs
 from kda_jax.bounds import SeqBounds, next_pow2
 from kda_jax.segments import SegmentTables, segment_chunks, segment_plan, segment_tables
-from kda_jax.triton.launch import KernelLaunch, dot_code, launch_kernel, stand_in
+from kda_jax.triton.launch import KernelLaunch, dot_precision, launch_kernel, stand_in
 
 __all__ = ["ChainLaunches", "chain_tables", "chain_launches", "segment_meta", "k_first",
            "segment_maps", "fold_states", "per_sequence"]
@@ -109,7 +109,7 @@ def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, use_h0: b
         _forward_only(cfg.map_stages, state.num_stages, backward))
     fold = dict(HV=hv, K=kd, V=vd, BK=bk, BV=min(next_pow2(max(vd, 16)), FOLD_BV),
                 BJ=bk if cfg.fold_block_j is None else min(bk, cfg.fold_block_j),
-                DOT=dot_code(cfg.fold_dot))
+                DOT=dot_precision(cfg.fold_dot))
     return ChainLaunches(
         map_,
         KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_h0, REVERSE=False),
