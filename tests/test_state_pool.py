@@ -16,6 +16,7 @@ import pytest
 import kda_jax
 from kda_jax import reference, testing
 from kda_jax.triton import interpret_mode, unavailable_reason
+from conftest import pool_dtype_checks
 
 NO_TRITON = unavailable_reason()
 FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
@@ -156,16 +157,7 @@ def test_16_bit_pool_rounds_once_on_write_back(fn, impl, dtype, v_first, check_c
     o, new = FNS[fn](*x.args(), state_cache=narrow, **kw)
     o32, new32 = FNS[fn](*x.args(), state_cache=wide, **kw)
     assert new.dtype == jnp.dtype(dtype) and new.shape == wide.shape
-    same, same_rows = np.testing.assert_array_equal, np.testing.assert_array_equal
-    if impl == "triton" and not interpret_mode():
-        # Natively the two pools' decode kernels are different binaries (a 16-bit
-        # or a float32 state load), whose float32 arithmetic the compiler may
-        # contract differently (3e-8 apart on an H100): o within float32
-        # rounding, each row within one unit of the pool's last place.
-        same = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
-        ulp = float(jnp.finfo(dtype).eps)
-        same_rows = lambda a, b: np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=ulp, atol=1e-7)
+    same, same_rows = pool_dtype_checks(impl, dtype)
     same(np.asarray(o), np.asarray(o32))
     same_rows(np.asarray(new[idx[has & (idx >= 0)]]),
               np.asarray(jnp.asarray(new32, dtype)[idx[has & (idx >= 0)]]))
