@@ -80,12 +80,12 @@ def implementation(impl: str, segment_chunks: int | None = None):
     if impl.startswith("triton:"):
         return "triton", _changed_configs(impl.split(":", 1)[1])
     if impl == "triton-noseg":
-        return "triton", configs.override_segments(configs.SegmentConfig())
+        return "triton", configs.override(configs.SegmentConfig())
     if impl == "triton-seq":
         rule = dataclasses.replace(configs.segment_config(), min_programs=2**31 - 1,
                                    backward_min_programs=2**31 - 1,
                                    segment_chunks=segment_chunks)
-        return "triton", configs.override_segments(rule)
+        return "triton", configs.override(rule)
     return impl, contextlib.nullcontext()
 
 
@@ -147,8 +147,7 @@ _CONSTANTS = {"True": True, "False": False, "None": None}
 def _under(forward, backward, segment):
     from kda_jax import configs
 
-    with configs.override(forward), configs.override_backward(backward), \
-            configs.override_segments(segment):
+    with configs.override(forward, backward, segment):
         yield
 
 

@@ -13,8 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 
-__all__ = ["ForwardConfig", "ARCHS", "FORWARD", "FORWARD_C32", "current_arch", "forward_config",
-           "override"]
+__all__ = ["ForwardConfig", "ARCHS", "FORWARD", "FORWARD_C32", "current_arch", "forward_config"]
 
 ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
 # Product precisions of the prepare kernel, in the order of its DOT constexpr.
@@ -283,16 +282,11 @@ def forward_config(arch: str | None = None, chunk_size: int = 64) -> ForwardConf
     return _FORWARD.get(arch, chunk_size)
 
 
-def override(config: ForwardConfig):
-    """Uses ``config`` for every chunk_kda traced inside the ``with`` block."""
-    return _FORWARD.override(config)
-
-
 # --------------------------------------------------------------------------- #
 # The token-by-token (decode) kernel.
 # --------------------------------------------------------------------------- #
 
-__all__ += ["RecurrentConfig", "RECURRENT", "recurrent_config", "override_recurrent"]
+__all__ += ["RecurrentConfig", "RECURRENT", "recurrent_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,11 +347,6 @@ def recurrent_config(arch: str | None = None) -> RecurrentConfig:
     return _RECURRENT.get(arch)
 
 
-def override_recurrent(config: RecurrentConfig):
-    """Uses ``config`` for every fused_recurrent_kda traced inside the ``with`` block."""
-    return _RECURRENT.override(config)
-
-
 # --------------------------------------------------------------------------- #
 # The target without its GPU: lowering or exporting on another machine.
 # --------------------------------------------------------------------------- #
@@ -399,7 +388,7 @@ def target_arch(arch: str):
 # The backward kernels of chunk_kda (kda_jax.kernels.chunk_bwd).
 # --------------------------------------------------------------------------- #
 
-__all__ += ["BackwardConfig", "BACKWARD", "BACKWARD_C32", "backward_config", "override_backward"]
+__all__ += ["BackwardConfig", "BACKWARD", "BACKWARD_C32", "backward_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -698,17 +687,12 @@ def backward_config(arch: str | None = None, chunk_size: int = 64) -> BackwardCo
     return _BACKWARD.get(arch, chunk_size)
 
 
-def override_backward(config: BackwardConfig):
-    """Uses ``config`` for the backward of every chunk_kda traced inside the block."""
-    return _BACKWARD.override(config)
-
-
 # --------------------------------------------------------------------------- #
 # The segmented schedule of chunk_kda (kda_jax.segments; the Triton path's
 # kda_jax.triton.state_chain, the XLA path's kda_jax.segmented).
 # --------------------------------------------------------------------------- #
 
-__all__ += ["SegmentConfig", "SEGMENTS", "segment_config", "override_segments"]
+__all__ += ["SegmentConfig", "SEGMENTS", "segment_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -827,7 +811,7 @@ class SegmentConfig:
 # The segmented state passes keep three stages: at one (three blocks per SM)
 # the forward was 14-46 % slower.
 # The AMD targets and other GPUs: off until measured there (force it with
-# override_segments; the kernels compile for every target, bench.aot). The
+# override; the kernels compile for every target, bench.aot). The
 # fold's products: bf16x3 on sm90 and the AMD targets (about 1e-5 relative, as
 # their float32 state passes' products, ForwardConfig.fp32_dot), ieee elsewhere;
 # the AMD targets read the maps in 16-column slices (at 32, bf16x3 products
@@ -853,7 +837,37 @@ def segment_config(arch: str | None = None) -> SegmentConfig:
     return _SEGMENTS.get(arch)
 
 
-def override_segments(config: SegmentConfig):
-    """Uses ``config`` for every chunk_kda traced inside the ``with`` block
-    (e.g. ``SegmentConfig(segment_chunks=2)`` to force segments)."""
-    return _SEGMENTS.override(config)
+# --------------------------------------------------------------------------- #
+# Choosing configs for a block of code.
+# --------------------------------------------------------------------------- #
+
+__all__ += ["override"]
+_TABLES = (_FORWARD, _BACKWARD, _RECURRENT, _SEGMENTS)
+
+
+@contextlib.contextmanager
+def override(*chosen):
+    """Uses each config given (a ForwardConfig, BackwardConfig, RecurrentConfig
+    or SegmentConfig, at most one of each kind) for every chunk_kda /
+    fused_recurrent_kda traced inside the ``with`` block, on every arch and
+    chunk size; the per-arch tables elsewhere. Yields the config, or the tuple
+    of them. E.g. ``with override(SegmentConfig(segment_chunks=2)):`` forces
+    segments; ``with override(forward_config("gfx950"), backward_config("gfx950")):``
+    runs gfx950's configs on this device."""
+    tables = []
+    for config in chosen:
+        table = next((t for t in _TABLES if isinstance(config, t.kind)), None)
+        if table is None:
+            raise TypeError("config must be a ForwardConfig, BackwardConfig, RecurrentConfig "
+                            f"or SegmentConfig, got {type(config).__name__}: {config!r}")
+        if table in tables:
+            raise ValueError(f"two {table.kind.__name__}s given to override: pass one of "
+                             "each kind")
+        tables.append(table)
+    if not chosen:
+        raise ValueError("override() needs a config: a ForwardConfig, BackwardConfig, "
+                         "RecurrentConfig or SegmentConfig")
+    with contextlib.ExitStack() as stack:
+        for table, config in zip(tables, chosen):
+            stack.enter_context(table.override(config))
+        yield chosen[0] if len(chosen) == 1 else chosen

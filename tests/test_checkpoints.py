@@ -59,7 +59,7 @@ def _prefix_finals(x, cu, every, initial, impl, v_first=False):
     kw = dict(cu_seqlens=pcu, initial_state=h0, output_final_state=True, state_v_first=v_first)
     # Unsegmented, as the call with checkpoints runs (on sm90 long prefixes
     # could otherwise take the segmented state chain, which rounds otherwise).
-    with configs.override_segments(configs.SegmentConfig()):
+    with configs.override(configs.SegmentConfig()):
         _, same = kda_jax.chunk_kda(*args, chunk_size=CHUNK, implementation=impl, **kw)
     _, ref = reference.naive_recurrent_kda(*args, **kw)
     return np.asarray(same), np.asarray(ref)

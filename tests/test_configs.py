@@ -50,14 +50,30 @@ def test_override_is_scoped_to_the_with_block():
     assert configs.forward_config("sm90") == configs.FORWARD["sm90"]
 
 
-@pytest.mark.parametrize("override, config", [
-    (configs.override, configs.RecurrentConfig()),
-    (configs.override_backward, configs.ForwardConfig()),
-    (configs.override_recurrent, 3),
+def test_override_takes_one_config_of_each_kind():
+    """One with block for several kinds; each table back to its own after it."""
+    fwd = configs.ForwardConfig(prepare_block_k=16)
+    bwd = configs.BackwardConfig(intra_block_k=16)
+    rec = configs.RecurrentConfig()
+    seg = configs.SegmentConfig(segment_chunks=2)
+    with configs.override(fwd, bwd, rec, seg) as chosen:
+        assert chosen == (fwd, bwd, rec, seg)
+        assert configs.forward_config("sm90") is fwd and configs.backward_config("sm90") is bwd
+        assert configs.recurrent_config("sm90") is rec and configs.segment_config("sm90") is seg
+    assert configs.backward_config("sm90") == configs.BACKWARD["sm90"]
+    assert configs.segment_config("sm90") == configs.SEGMENTS["sm90"]
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((3,), TypeError, "config must be a ForwardConfig, BackwardConfig, RecurrentConfig or "
+                      "SegmentConfig, got int: 3"),
+    ((configs.ForwardConfig(), configs.ForwardConfig()), ValueError,
+     "two ForwardConfigs given to override"),
+    ((), ValueError, r"override\(\) needs a config"),
 ])
-def test_override_refuses_another_config_type(override, config):
-    with pytest.raises(TypeError, match="config must be a"):
-        with override(config):
+def test_override_refuses_what_is_not_one_config_per_kind(args, error, match):
+    with pytest.raises(error, match=match):
+        with configs.override(*args):
             pass
 
 

@@ -250,7 +250,7 @@ def test_split_passes_match_reference(kind, check_close, check_rel_rms):
     params = _params(x, kw)
     fwd = dataclasses.replace(configs.forward_config(), prepare_split=True)
     bwd = dataclasses.replace(configs.backward_config(), prepare_split=True)
-    with configs.override(fwd), configs.override_backward(bwd):
+    with configs.override(fwd, bwd):
         o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton")
         got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1)
     ro, rs = _call(kda_jax.naive_recurrent_kda, params, kw)

@@ -166,7 +166,7 @@ def _compiled(impl, forced: bool, cu: tuple):
 
     def traced(f):
         def call(*args):
-            with configs.override_segments(config):
+            with configs.override(config):
                 return f(*args)
         return call
 
@@ -234,8 +234,7 @@ def test_triton_segmented_pass_with_its_own_v_block(check_close):
     cfg = dataclasses.replace(FORCED, state_block_v=16, state_warps=2)
     forward = dataclasses.replace(configs.forward_config(), state_block_v=32,
                                   state_block_v_fp32=32)
-    with configs.override(forward), configs.override_segments(cfg), \
-            pytest.MonkeyPatch.context() as mp:
+    with configs.override(forward, cfg), pytest.MonkeyPatch.context() as mp:
         mp.setattr(state_chain, "segment_maps", lambda *a, **kw: seen.append(a[0]) or real(*a, **kw))
         o, f = kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="triton",
                                  initial_state=x.initial_state, output_final_state=True,
@@ -289,7 +288,7 @@ def test_triton_fold_whole_or_sliced(kd, block_j, check_close, check_rel_rms):
     rng = np.random.default_rng(8)
     launches = []
     real = state_chain.fold_states
-    with configs.override_segments(dataclasses.replace(FORCED, fold_block_j=block_j)), \
+    with configs.override(dataclasses.replace(FORCED, fold_block_j=block_j)), \
             pytest.MonkeyPatch.context() as mp:
         mp.setattr(state_chain, "fold_states",
                    lambda launch, *a, **kw: launches.append(launch) or real(launch, *a, **kw))
@@ -318,7 +317,7 @@ def test_segmented_dense_bf16_every_transform_state_v_first(check_close):
               allow_neg_eigval=True, initial_state=x.initial_state, output_final_state=True,
               state_v_first=True)
     ro, rf = kda_jax.naive_recurrent_kda(*(np.asarray(a, np.float32) for a in x.args()), **kw)
-    with configs.override_segments(FORCED):
+    with configs.override(FORCED):
         o, f = kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="xla", **kw)
     assert o.dtype == jnp.bfloat16
     check_close(o, ro, "bfloat16", "o")
@@ -339,7 +338,7 @@ def test_triton_chain_runs_maps_and_folds(monkeypatch):
             or _real(*a, **kw)))
     x = make_inputs(2, B=1, T=70, H=1, HV=1, K=16, V=16)
     loss = lambda *a: jnp.sum(kda_jax.chunk_kda(*a, chunk_size=32, implementation="triton")[0])
-    with configs.override_segments(FORCED):
+    with configs.override(FORCED):
         jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*x.args())
     maps, folds = ([r for r in seen if r[0] == n] for n in ("segment_maps", "fold_states"))
     # Traced in the forward (as many times as JAX traces it) and the backward,
@@ -347,7 +346,7 @@ def test_triton_chain_runs_maps_and_folds(monkeypatch):
     assert len(maps) >= 2 and {m[2] for m in maps} == {3}
     assert len(folds) == len(maps) + 1 and [f[1] for f in folds].count(True) == 1
     seen.clear()
-    with configs.override_segments(configs.SegmentConfig()):
+    with configs.override(configs.SegmentConfig()):
         jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*x.args())
     assert seen == []
 
@@ -373,7 +372,7 @@ def test_triton_chain_gva_transforms_state_v_first(check_close, check_rel_rms):
             for a in (*x.args(), x.A_log, x.dt_bias, x.initial_state)]
     chunked = functools.partial(kda_jax.chunk_kda, chunk_size=32, implementation="triton")
     grad = jax.grad(loss, argnums=tuple(range(1, 9)), has_aux=True)
-    with configs.override_segments(FORCED):
+    with configs.override(FORCED):
         g, (o, f) = jax.jit(functools.partial(grad, chunked))(*args)
     rg, (ro, rf) = jax.jit(functools.partial(grad, kda_jax.naive_recurrent_kda))(*args)
     check_close(o, ro, "float32", "o")
@@ -443,10 +442,10 @@ def test_rule_picks_segments_automatically():
 
     opts = KdaOptions(scale=0.25, chunk_size=32)
     plan = lambda: segmented.plan_call("xla", bounds, None, opts, 1)
-    with configs.override_segments(dataclasses.replace(rule, xla=True)):
+    with configs.override(dataclasses.replace(rule, xla=True)):
         assert plan().segments.lengths.tolist() == [128, 96, 76]
         assert segmented.plan_call("triton", bounds, None, opts, 1) is None
-    with configs.override_segments(rule):
+    with configs.override(rule):
         assert plan() is None
     assert plan() is None  # the CPU's default config: no segments
 
@@ -456,9 +455,6 @@ def test_segment_config_checks():
         configs.SegmentConfig(segment_chunks=0)
     with pytest.raises(ValueError, match="min_programs"):
         configs.SegmentConfig(min_programs=-1)
-    with pytest.raises(TypeError, match="SegmentConfig"):
-        with configs.override_segments(configs.ForwardConfig()):
-            pass
     for name, bad in (("map_block_v", 48), ("map_warps", 3), ("map_stages", 0),
                       ("map_stages", True), ("state_block_v", 8), ("fold_block_j", 24),
                       ("fold_warps", None), ("backward_target_programs", -1),

@@ -172,7 +172,7 @@ def test_gate_grads_meet_fp32_bar_with_fp32_grade_products(name, check_rel_rms):
     mode = "tf32x3" if ON_GPU else "ieee"
     precise = dataclasses.replace(configs.backward_config(chunk_size=chunk),
                                   product_dot=mode, product_dot_fp32=mode)
-    with configs.override_backward(precise):
+    with configs.override(precise):
         ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
     failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
     assert not failures, f"{name}: " + "; ".join(failures)
@@ -186,7 +186,7 @@ def test_reverse_state_pass_in_one_tile_matches_reference(name, check_rel_rms):
     x = make_inputs(17, **make_kw)
     w_o, w_f = _weights(x, call_kw)
     whole = dataclasses.replace(configs.backward_config(chunk_size=chunk), dstate_split_k=False)
-    with configs.override_backward(whole):
+    with configs.override(whole):
         ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
     failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
     assert not failures, f"{name}: " + "; ".join(failures)
@@ -204,7 +204,7 @@ def test_intra_k_blocks_match_reference(gate_floor, check_rel_rms):
     mode = "tf32x3" if ON_GPU else "ieee"
     looped = dataclasses.replace(configs.backward_config(chunk_size=32), intra_block_k=32,
                                  product_dot=mode, product_dot_fp32=mode)
-    with configs.override_backward(looped):
+    with configs.override(looped):
         ref, got, params = _grads(x, call_kw, 32, ALL, w_o, w_f)
     tol = TOL if gate_floor is None else TOLERANCES["float32-extreme-gates"]["rel_rms"]
     failures = _check_all(ref, got, params, ALL, dict.fromkeys(ALL, tol), check_rel_rms)
@@ -412,7 +412,7 @@ def test_gate_parameter_grads_sm90_config_sixteen_bit_inputs(sixteen_bit_interme
     ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f,
                                  out_dtype=dtype)))({n: ref_arrays[n] for n in GATE})
     fast = functools.partial(kda_jax.chunk_kda, implementation="triton")
-    with configs.override_backward(configs.backward_config("sm90")):
+    with configs.override(configs.backward_config("sm90")):
         got = jax.jit(jax.grad(_loss(fast, arrays, call_kw, w_o, w_f)))(
             {n: arrays[n] for n in GATE})
     tol = dict(TOL_BF16, A_log=GATE_PARAM_TOL, dt_bias=GATE_PARAM_TOL)
@@ -439,8 +439,8 @@ def test_amd_configs_grads_on_this_gpu(arch, name, check_rel_rms):
         make_kw, call_kw, chunk, wrt = CASES[name]
     x = make_inputs(17, **make_kw)
     w_o, w_f = _weights(x, call_kw)
-    with configs.override(configs.forward_config(arch, chunk)), \
-            configs.override_backward(configs.backward_config(arch, chunk)):
+    with configs.override(configs.forward_config(arch, chunk),
+                          configs.backward_config(arch, chunk)):
         ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
     tol = TOL_BF16 if name == "bf16" else TOL
     failures = _check_all(ref, got, params, wrt, tol, check_rel_rms, kind=f"grad {arch}")

@@ -147,7 +147,7 @@ def test_all_sequences_empty():
 def test_config_override_and_small_v_blocks(check_close):
     """Several V blocks per head (block_v 8 < V) give the same answer."""
     x = testing.make_inputs(8, T=5, H=1, HV=2, K=24, V=40)
-    with configs.override_recurrent(configs.RecurrentConfig(block_v=8, warps=1, stages=1)):
+    with configs.override(configs.RecurrentConfig(block_v=8, warps=1, stages=1)):
         o, s = _run(x, {}, kda_jax.fused_recurrent_kda, implementation="triton")
     ro, rs = _run(x, {}, reference.naive_recurrent_kda)
     check_close(o, ro, "float32", "o")
@@ -167,7 +167,7 @@ def test_single_token_decode_with_loaded_bounds(form, check_close):
     if form == "bucket":
         bounds = kda_jax.VarlenBatch.from_lengths(lens, kda_jax.Bucket(5, 3, max_len=1))
     cfg = configs.RecurrentConfig(block_v=16, block_v_bounds=16)
-    with configs.override_recurrent(cfg):
+    with configs.override(cfg):
         o, s = kda_jax.fused_recurrent_kda(*x.args(), initial_state=x.initial_state,
                                            output_final_state=True, cu_seqlens=bounds,
                                            implementation="triton")
@@ -186,9 +186,6 @@ def test_recurrent_config_table():
         configs.RecurrentConfig(block_v=12)
     with pytest.raises(ValueError, match=r"warps=3 must be one of"):
         configs.RecurrentConfig(warps=3)
-    with pytest.raises(TypeError, match=r"config must be a RecurrentConfig"):
-        with configs.override_recurrent(configs.ForwardConfig()):
-            pass
 
 
 def test_triton_unavailable_raises_with_the_reason(monkeypatch):
@@ -308,7 +305,7 @@ def test_nonfinite_inputs_poison_the_whole_head(form, vd, config, check_close):
         x = testing.make_inputs(21, T=int(cu[-1]), H=1, HV=2, K=16, V=vd, N=5)
         at, kw = [(0, 1), (0, 9), (0, 11), (0, 12)], dict(cu_seqlens=cu)
     x = _spoil(x, at)
-    with configs.override_recurrent(config) if config else contextlib.nullcontext():
+    with configs.override(config) if config else contextlib.nullcontext():
         o, s = _run(x, kw, kda_jax.fused_recurrent_kda, implementation="triton")
     ro, rs = _run(x, kw, reference.naive_recurrent_kda)
     # The reference's NaNs are the rule's: v's head, every column, from the
@@ -339,7 +336,7 @@ def test_poisoned_sequence_writes_nan_to_its_pool_row(form, check_close):
         kw = dict(cu_seqlens=cu)
     rng = np.random.default_rng(3)
     pool = (0.5 * rng.standard_normal((slots, 2, 16, 40))).astype(np.float32)
-    with configs.override_recurrent(configs.RecurrentConfig(block_v=8, block_v_bounds=8)):
+    with configs.override(configs.RecurrentConfig(block_v=8, block_v_bounds=8)):
         o, new = kda_jax.fused_recurrent_kda(*x.args(), state_cache=pool, state_indices=idx,
                                              implementation="triton", **kw)
     ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=pool[idx],

@@ -102,7 +102,7 @@ def main(argv=None):
     arrays = make(b, t, h, 128, 128)
 
     def measure(cfg):
-        with configs.override_backward(cfg):
+        with configs.override(cfg):
             return jax_runner("triton", arrays, None)(), accuracy()
 
     records = run_grid(configs.backward_config(), GRIDS[args.grid], measure,

@@ -78,7 +78,7 @@ def main(argv=None):
         cfg = dataclasses.replace(base, **change)
         rec = {"config": dataclasses.asdict(cfg), "shipped": not change}
         try:
-            with configs.override_recurrent(cfg):
+            with configs.override(cfg):
                 step = jax.jit(lambda h0, *a: kda_jax.fused_recurrent_kda(
                     *a, initial_state=h0, output_final_state=True, implementation="triton"))
                 for n, (x, h0) in inputs.items():

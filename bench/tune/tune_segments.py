@@ -65,7 +65,7 @@ def main(argv=None):
         for text in ["none"] + args.configs.split(","):
             cfg = configs.SegmentConfig() if text == "none" else _config_of(text)
             rec = {"shape": [b, t, h], "config": text}
-            with configs.override_segments(cfg):
+            with configs.override(cfg):
                 fwd = jax.jit(lambda *a: kda_jax.chunk_kda(*a, implementation="triton")[0])
                 o = fwd(*x)
                 rec["forward_ms"] = time_jax(fwd, *x)

@@ -241,4 +241,4 @@ def check_dot_mode(mode: str) -> None:
             f"the launch config asks for {mode!r} products, which Triton {triton.__version__} "
             f"cannot compile (input_precision {mode!r} arrived in Triton {floor}); install "
             f"triton>={floor}, or override the config with 'ieee' products "
-            "(kda_jax.configs.override / override_backward)")
+            "(kda_jax.configs.override)")
