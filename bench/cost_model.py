@@ -709,9 +709,8 @@ def main(argv=None):
         name = os.path.normpath(tree)
         label = name + (f":{changes}" if changes else "")
         for kernel in args.kernels.split(","):
-            out = os.path.join(args.out, re.sub(r"[^\w.=+-]", "_", label)
-                               + ("" if args.spec == SPECS[0] else "@" + args.spec.replace("/", "_"))
-                               + f"-{kernel}")
+            spec = "" if args.spec == SPECS[0] else "@" + args.spec.replace("/", "_")
+            out = os.path.join(args.out, re.sub(r"[^\w.=+-]", "_", label) + spec + f"-{kernel}")
             src = os.path.abspath(tree)
             # (The SASS names the sources by their path in the package.)
             skip = {w if w.startswith("/") else os.path.join(src, "kda_jax", "kernels", w)

@@ -109,6 +109,8 @@ def parse(asm: str) -> tuple[list[Instr], list[tuple[int, int]]]:
     for line in asm.splitlines():
         m = _BLOCK.match(line)
         s = line.split(";", 1)[0].strip()
+        if s.startswith(".Lfunc_end"):
+            break  # the kernel's end: its descriptor and metadata follow
         if m or (not s and line.strip().startswith(";")):
             # A block's first line, or a comment line after it (a nested loop's header
             # says so on a line of its own).
@@ -205,10 +207,10 @@ def counts_at(instrs, loops, env, target: str, hw: dict, untaken=frozenset()):
 def estimate(counts, *, programs: int, warps: int, occupancy: int, overlap: float,
              hw: dict) -> dict:
     """Estimated microseconds of one launch on the target, and what set it."""
-    per_simd = max(warps / 4, 1)  # a program's waves on each of the CU's four SIMDs
-    per_cu = max(int(occupancy // per_simd), 1) if occupancy else 1
+    # Programs per CU: its four SIMDs' waves over a program's waves (at least one).
+    per_cu = min(max(4 * (occupancy or 1) // warps, 1), 32)
     waves = math.ceil(programs / (hw["cus"] * per_cu))
-    resident = per_cu * per_simd
+    resident = per_cu * warps / 4  # waves per SIMD
     issue = resident * max(counts["issue_cycles"], counts["matrix_cycles"])
     chain = counts["issue_cycles"] + counts["matrix_cycles"] + counts["wait_cycles"] * overlap
     wave = max(issue, chain)

@@ -16,7 +16,8 @@ import dataclasses
 __all__ = ["ForwardConfig", "ARCHS", "FORWARD", "FORWARD_C32", "current_arch", "forward_config"]
 
 ARCHS = ("sm90", "gfx950", "gfx1250", "gfx942", "default")
-# Product precisions of the prepare kernel, in the order of its DOT constexpr.
+# Product precisions: the kernels' DOT constexprs, tl.dot's input_precision names and
+# "bf16" (operands rounded to bf16; kda_jax/kernels/common.py, dot).
 DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16", "bf16x3", "bf16x6")
 
 
@@ -408,7 +409,8 @@ class BackwardConfig:
     Both state passes (forward h and reverse dS; one program per sequence,
     head and V block):
     state_block_v / state_block_v_fp32: their V block with 16-bit / float32
-      intermediates.
+      intermediates (the float32 one at most 16 where K or V is not a power
+      of two: kda_jax.triton.backward.state_block_v).
     state_warps / state_warps_wide: their warps at K <= 128 / past it.
     state_stages / state_stages_fp32: the forward pass's stages at K <= 128
       with 16-bit / float32 intermediates (past K = 128 one stage: two
@@ -563,7 +565,8 @@ BACKWARD = {
     # AMD, untuned tiles: bf16x3 wherever sm90 runs split products (its tf32x3
     # w/u included); float32 intermediates keep "ieee" in the state passes and
     # the inter kernel (bf16x6 there halves occupancy or spills, for little
-    # matrix work), and the wy kernel's float32 form as on sm90. gfx950: 2
+    # matrix work), and fp32 FMA products in the wy kernel's float32 form (its
+    # 32-wide K blocks; 16 on gfx942). gfx950: 2
     # waves of 64 for the state passes, whose float32 form takes one stage to
     # fit 160 KiB of LDS; 16-wide intra K blocks, where 32-wide ones under
     # bf16x3 hold 264-352 VGPRs, one wave per SIMD.

@@ -113,8 +113,8 @@ def check_rel_rms(request):
 
 def pool_dtype_checks(impl: str, dtype):
     """(same, same_rows): how a 16-bit pool's results compare with the float32
-    pool's (rows rounded to ``dtype``). Bit for bit, but natively on the Triton
-    path: there the two pools' kernels are different binaries (a 16-bit or a
+    pool's (rows rounded to ``dtype``). Bit for bit, except natively on the
+    Triton path, where the two pools' kernels are different binaries (a 16-bit or a
     float32 state load), whose float32 arithmetic the compiler may contract
     differently (3e-8 apart on an H100): o within float32 rounding, each row
     within one unit of the pool's last place."""

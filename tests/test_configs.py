@@ -278,3 +278,21 @@ def test_split_bf16_modes_need_triton_3_6(monkeypatch, version, ok):
     else:
         with pytest.raises(RuntimeError, match=r"'bf16x3' products.*triton>=3\.6"):
             dot_precision("bf16x3")
+
+
+@pytest.mark.parametrize("work, kd, vd, want", [
+    ("bfloat16", 128, 128, 16), ("float32", 128, 128, 32), ("float32", 64, 64, 32),
+    ("float32", 100, 60, 16), ("float32", 128, 60, 16), ("float32", 100, 128, 16)])
+def test_float32_state_passes_take_their_own_v_block(work, kd, vd, want):
+    """sm90's state passes: 16-wide V blocks with 16-bit intermediates, 32 with
+    float32 ones, but 16 where K or V is not a power of two (32 spills there)."""
+    import jax.numpy as jnp
+
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton.backward import backward_launches
+
+    launches = backward_launches(h=2, hv=2, kd=kd, vd=vd, opts=KdaOptions(scale=0.1),
+                                 config=configs.BACKWARD["sm90"], has_initial_state=False,
+                                 has_final_grad=False, work=jnp.dtype(work))
+    for name in ("kda_bwd_state_kernel", "kda_bwd_dstate_kernel"):
+        assert launches[name].constexprs["BV"] == want, name

@@ -48,12 +48,21 @@ def _asm(src):
         ; %bb.4:
         \t.loc\t1 6 5
         \ts_endpgm
+        .Lfunc_end0:
+        \t.size\tkernel, .Lfunc_end0-kernel
+        \t.amdgpu_metadata
+        ---
+        amdhsa.kernels:
+          - .args:
+              - .offset:         0
+        \t.end_amdgpu_metadata
         """)
 
 
 def test_loops_from_llvm_comments_and_trip_counts(tmp_path):
     instrs, loops = amd.parse(_asm(_source(tmp_path)))
     assert [i.op for i in instrs][:3] == ["s_load_dwordx2", "s_waitcnt", "v_add_u32_e32"]
+    assert instrs[-1].op == "s_endpgm"  # nothing of the metadata after the kernel's end
     # The outer loop holds the inner one: (first, last) spans nest.
     (o_first, o_last), (i_first, i_last) = sorted(loops, key=lambda s: s[0] - s[1])
     assert o_first < i_first <= i_last < o_last
@@ -92,6 +101,9 @@ def test_estimate_bounds():
     c["wait_cycles"] = 0
     e = amd.estimate(c, programs=256 * 8, warps=4, occupancy=8, overlap=2.75, hw=hw)
     assert e["bound"] == "issue" and e["programs_per_cu"] == 8 and e["waves"] == 1
+    # A program of two waves takes two SIMDs: twice the programs per CU of four waves'.
+    e = amd.estimate(c, programs=256 * 16, warps=2, occupancy=8, overlap=2.75, hw=hw)
+    assert e["programs_per_cu"] == 16 and e["waves"] == 1
     c["dram_bytes"] = 1e12
     e = amd.estimate(c, programs=256, warps=4, occupancy=8, overlap=2.75, hw=hw)
     assert e["bound"] == "memory"

@@ -267,8 +267,8 @@ def test_segmented_pass_v_block_only_for_whole_16_bit_blocks():
     assert launch(jnp.bfloat16, 96) == (fwd.state_block_v, fwd.state_warps, 64, 2)
     assert launch(jnp.float32, 128) == (fwd.state_block_v_fp32, fwd.state_warps_fp32, 64, 2)
     from kda_jax.triton.launch import KernelLaunch
-    bwd_state = KernelLaunch("kda_bwd_state_kernel", dict(HV=4, K=128, V=128, BT=64, BV=16, DOT="ieee"),
-                             4, 3)
+    bwd_state = KernelLaunch("kda_bwd_state_kernel",
+                             dict(HV=4, K=128, V=128, BT=64, BV=16, DOT="ieee"), 4, 3)
     bwd_map = state_chain.chain_launches(bwd_state, seg, use_h0=False, backward=True).map
     assert (bwd_map.constexprs["BV"], bwd_map.num_warps, bwd_map.num_stages) == (16, 4, 3)
 

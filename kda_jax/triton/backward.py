@@ -84,6 +84,19 @@ def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, k
     return work_dtype(input_dtype, interpret=interpret)
 
 
+def state_block_v(config: BackwardConfig, work, kd: int, vd: int) -> int:
+    """The state passes' V block cap: ``config.state_block_v`` with 16-bit
+    intermediates, ``config.state_block_v_fp32`` with float32 ones, but no wider
+    than 16 where K or V is not a power of two (the masked columns' registers:
+    on sm90 float32 passes over 32-wide blocks spill 76-84 bytes at K = 100,
+    V = 60, none at 16)."""
+    if jnp.dtype(work).itemsize == 2:
+        return config.state_block_v
+    if kd != next_pow2(kd) or vd != next_pow2(vd):
+        return min(config.state_block_v_fp32, 16)
+    return config.state_block_v_fp32
+
+
 def _block(n: int, cap: int) -> int:
     """A block over a dimension of n: its power of two (at least 16), at most cap."""
     return min(next_pow2(max(n, 16)), cap)
@@ -100,8 +113,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     bt = opts.chunk_size
     sixteen_bit = jnp.dtype(work).itemsize == 2
     bk_state = next_pow2(max(kd, 16))
-    bv_state = min(next_pow2(max(vd, 16)),
-                   config.state_block_v if sixteen_bit else config.state_block_v_fp32)
+    bv_state = min(next_pow2(max(vd, 16)), state_block_v(config, work, kd, vd))
     # Past K = 128 the pipelined [BT, K] tiles outgrow shared memory (as forward).
     if bk_state > 128:
         state_warps, state_stages, dstate_stages = config.state_warps_wide, 1, 1
@@ -117,7 +129,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     # Product precisions by the intermediates' dtype: bfloat16, float16, float32.
     by_work = {"bfloat16": 0, "float16": 1, "float32": 2}[jnp.dtype(work).name]
     dot_a = dot_precision((config.product_dot, config.product_dot_fp16,
-                      config.product_dot_fp32)[by_work])
+                           config.product_dot_fp32)[by_work])
     # The state passes and the inter kernel multiply intermediates (``work``,
     # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
     # take fp32_dot.

@@ -25,8 +25,8 @@ from kda_jax.batch import kernel_metadata
 from kda_jax.configs import ForwardConfig, SegmentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
-from kda_jax.triton.launch import (KernelLaunch, dot_precision, interpret_mode, launch_kernel, stand_in,
-                                   transform_constexprs)
+from kda_jax.triton.launch import (KernelLaunch, dot_precision, interpret_mode, launch_kernel,
+                                   stand_in, transform_constexprs)
 from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton import state_chain
 from kda_jax.triton.state_args import kernel_states
