@@ -586,13 +586,15 @@ for table in (configs.BACKWARD, configs.BACKWARD_C32):
 
 
 def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = False,
-                   changes: str = "") -> dict:
-    """Compiles ``kernel`` of the tree in a child process (its own kda_jax); returns the
-    SASS and the launch fields. ``reuse``: an earlier compile's files at ``out``.
-    ``changes``: sm90 config fields to change first (``--variant``)."""
-    if reuse and os.path.exists(out + ".sass") and os.path.exists(out + ".json"):
+                   changes: str = "", target: str = "sm90") -> dict:
+    """Compiles ``kernel`` of the tree for ``target`` in a child process (its own kda_jax);
+    returns the launch fields and the code: "sass" on sm90, "asm" (AMDGCN) on AMD.
+    ``reuse``: an earlier compile's files at ``out``. ``changes``: the target's config
+    fields to change first (``--variant``)."""
+    key, suffix = ("sass", ".sass") if target == "sm90" else ("asm", ".s")
+    if reuse and os.path.exists(out + suffix) and os.path.exists(out + ".json"):
         row = json.load(open(out + ".json"))
-        row["sass"] = open(out + ".sass").read()
+        row[key] = open(out + suffix).read()
         return row
     # A cache of its own per tree: a cached binary of equal source would carry another
     # tree's file names and line numbers.
@@ -604,13 +606,13 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
     env.pop("TRITON_INTERPRET", None)
     code = _COMPILE
     if changes:
-        code = code.replace("# (config changes)\n", _CHANGES)
-    subprocess.run([sys.executable, "-c", code, kernel, spec, out], env=env, check=True,
-                   cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
+        code = code.replace("# (config changes)\n", _CHANGES.replace('["sm90"]', f'["{target}"]'))
+    subprocess.run([sys.executable, "-c", code, kernel, spec, out, target], env=env,
+                   check=True, cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
     row = json.load(open(out + ".json"))
-    if not os.path.exists(out + ".sass"):
-        raise RuntimeError(f"{tree}: {kernel} did not compile: {row.get('error')}")
-    row["sass"] = open(out + ".sass").read()
+    if not os.path.exists(out + suffix):
+        raise RuntimeError(f"{tree}: {kernel} did not compile for {target}: {row.get('error')}")
+    row[key] = open(out + suffix).read()
     return row
 
 

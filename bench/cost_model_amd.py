@@ -39,12 +39,11 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 from bench import aot_isa
 from bench import cost_model as cm
-from bench.sass_loops import _COMPILE, CHECKOUT, Instr
+from bench.sass_loops import Instr
 
 # Per target: CUs and clock of the part, HBM bandwidth (90 % of the peak), lanes per wave
 # and per SIMD's VALU, and the latencies a wave waits for at an s_waitcnt. gfx950:
@@ -222,36 +221,10 @@ def estimate(counts, *, programs: int, warps: int, occupancy: int, overlap: floa
                 chain_cycles=chain, memory_us=memory_us, bound=bound)
 
 
-def compile_kernel(tree: str, kernel: str, target: str, spec: str, out: str,
-                   reuse: bool = False, changes: str = "") -> dict:
-    """Compiles ``kernel`` of the tree for ``target`` in a child process (its own kda_jax);
-    returns the AMDGCN and the launch fields. ``changes``: the target's config fields to
-    change first."""
-    if reuse and os.path.exists(out + ".s") and os.path.exists(out + ".json"):
-        row = json.load(open(out + ".json"))
-        row["asm"] = open(out + ".s").read()
-        return row
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), CHECKOUT]),
-               TRITON_CACHE_DIR=out.rsplit("-", 1)[0] + ".triton-cache",
-               KDA_COST_CHANGES=changes)
-    env.pop("TRITON_INTERPRET", None)
-    code = _COMPILE
-    if changes:
-        code = code.replace("# (config changes)\n",
-                            cm._CHANGES.replace('["sm90"]', f'["{target}"]'))
-    subprocess.run([sys.executable, "-c", code, kernel, spec, out, target], env=env,
-                   check=True, cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
-    row = json.load(open(out + ".json"))
-    if not os.path.exists(out + ".s"):
-        raise RuntimeError(f"{tree}: {kernel} did not compile for {target}: {row.get('error')}")
-    row["asm"] = open(out + ".s").read()
-    return row
-
-
 def model_kernel(tree: str, kernel: str, target: str, shape: tuple, out: str, *,
                  spec: str = cm.SPECS[0], reuse: bool = False, changes: str = "") -> dict:
     hw = TARGETS[target]
-    row = compile_kernel(tree, kernel, target, spec, out, reuse, changes)
+    row = cm.compile_kernel(tree, kernel, spec, out, reuse, changes, target=target)
     instrs, loops = parse(row["asm"])
     c = row["constexprs"] or {}
     values = cm.shape_values(*shape, bt=c.get("BT", 64))
