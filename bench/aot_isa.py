@@ -252,9 +252,10 @@ def _files(asm: str, backend: str) -> dict:
 
 def _walk(asm: str, backend: str):
     """The instructions of ``asm`` as (matrix opcode or None, innermost loop
-    header or None, frames), plus {loop header: parent header or None}.
+    header or None, frames, text), plus {loop header: parent header or None}.
     frames: the (file basename, line) of the instruction's ``.loc`` and of
-    the call sites it was inlined at."""
+    the call sites it was inlined at; text: the instruction without its
+    comment. AMDGCN stops at the kernel's end (its metadata follows)."""
     files = {i: os.path.basename(p) for i, p in _files(asm, backend).items()}
     # PTX's .loc names one call site (inlined_at), not the chain: the call
     # sites of a location, from the lines where it is the innermost one,
@@ -269,6 +270,8 @@ def _walk(asm: str, backend: str):
     insts = []
     label, loop, chain, frames = None, None, [], ()
     for line in asm.splitlines():
+        if line.startswith(".Lfunc_end"):
+            break
         m = block_re.match(line)
         if m:
             label = m.group(1).lstrip(".$L_") if m.group(1) else None
@@ -309,7 +312,8 @@ def _walk(asm: str, backend: str):
         if stripped.startswith(".") or stripped.endswith(":"):
             continue  # a directive or a label of its own
         op = _OPCODE[backend].match(line)
-        insts.append((op.group(1) if op else None, loop, frames))
+        insts.append((op.group(1) if op else None, loop, frames,
+                      line.split(comment, 1)[0].strip()))
     return insts, parents
 
 
@@ -442,7 +446,7 @@ def matrix_profile(asm: str, backend: str, constexprs: dict, sources=None) -> di
 
     members: dict = {}  # loop header -> frames of every instruction in it (nested too)
     direct: dict = {}   # loop header -> {opcode: count} directly in it
-    for op, loop, frames in insts:
+    for op, loop, frames, _ in insts:
         for h in ancestors(loop):
             members.setdefault(h, []).append(frames)
         if op is not None and loop is not None:

@@ -571,7 +571,7 @@ def fit(rows: list[dict]) -> float:
 # Compiling the kernels of a tree.
 # --------------------------------------------------------------------------- #
 
-# Applied in the child before it compiles: the sm90 configs with a variant's fields changed
+# Applied in the child before it compiles: the target's configs with a variant's fields changed
 # (KDA_COST_CHANGES, "FIELD=VALUE+backward.FIELD=VALUE"; values as bench.sweep reads them).
 _CHANGES = r"""
 import dataclasses
@@ -579,9 +579,9 @@ from kda_jax import configs
 from bench.sweep import config_changes
 fields = config_changes(os.environ["KDA_COST_CHANGES"])
 for table in (configs.FORWARD, configs.FORWARD_C32):
-    table["sm90"] = dataclasses.replace(table["sm90"], **fields["forward"])
+    table[target] = dataclasses.replace(table[target], **fields["forward"])
 for table in (configs.BACKWARD, configs.BACKWARD_C32):
-    table["sm90"] = dataclasses.replace(table["sm90"], **fields["backward"])
+    table[target] = dataclasses.replace(table[target], **fields["backward"])
 """
 
 
@@ -606,7 +606,7 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
     env.pop("TRITON_INTERPRET", None)
     code = _COMPILE
     if changes:
-        code = code.replace("# (config changes)\n", _CHANGES.replace('["sm90"]', f'["{target}"]'))
+        code = code.replace("# (config changes)\n", _CHANGES)
     subprocess.run([sys.executable, "-c", code, kernel, spec, out, target], env=env,
                    check=True, cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
     row = json.load(open(out + ".json"))

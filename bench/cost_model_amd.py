@@ -91,57 +91,20 @@ def unit(op: str) -> str:
     return "other"
 
 
-# AMDGCN's blocks, LLVM's loop comments and the debug lines, as bench.aot_isa reads them.
-_BLOCK = aot_isa._BLOCK["hip"]
-_HEADER, _IN_LOOP, _PARENT = aot_isa._HEADER, aot_isa._IN_LOOP, aot_isa._PARENT
-_LOC = aot_isa._LOC
-
-
 def parse(asm: str) -> tuple[list[Instr], list[tuple[int, int]]]:
     """The kernel's instructions (mnemonic, "file:line" of the innermost ``.loc``, operands)
     and its loops as (first, last) instruction indices, from the loop comments LLVM writes
-    on each block ("Loop Header", "in Loop: Header=", "Parent Loop"): a loop spans the
-    blocks of it and of the loops inside it (LLVM lays a loop's blocks out together)."""
-    files = aot_isa._files(asm, "hip")
-    instrs, owner, parents = [], [], {}
-    where, loop, label, chain = "", None, None, []
-    for line in asm.splitlines():
-        m = _BLOCK.match(line)
-        s = line.split(";", 1)[0].strip()
-        if s.startswith(".Lfunc_end"):
-            break  # the kernel's end: its descriptor and metadata follow
-        if m or (not s and line.strip().startswith(";")):
-            # A block's first line, or a comment line after it (a nested loop's header
-            # says so on a line of its own).
-            if m:
-                label = m.group(1)[2:] if m.group(1) else None  # ".LBB0_3" -> "BB0_3"
-                loop, chain = None, []
-            comment = line.split(";", 1)[1] if ";" in line else ""
-            if m and m.group(1):
-                comment = line[len(m.group(0)):]
-            if _HEADER.search(comment) and label:
-                loop = label
-            i = _IN_LOOP.search(comment)
-            if i:
-                loop = i.group(1)
-            chain += [p.group(1) for p in _PARENT.finditer(comment)]
-            if loop is not None:
-                parents[loop] = chain[-1] if chain else parents.get(loop)
-            continue
-        if not s or s.endswith(":"):
-            continue
-        lm = _LOC.match(s)
-        if lm:
-            if int(lm.group(2)):
-                where = f"{files.get(int(lm.group(1)), '?')}:{lm.group(2)}"
-            continue
-        if s.startswith("."):
-            continue
-        op, _, rest = s.partition(" ")
+    on each block, as bench.aot_isa walks them: a loop spans the blocks of it and of the
+    loops inside it (LLVM lays a loop's blocks out together)."""
+    paths = {os.path.basename(p): p for p in aot_isa._files(asm, "hip").values()}
+    insts, parents = aot_isa._walk(asm, "hip")
+    instrs = []
+    for _, _, frames, text in insts:
+        op, _, rest = text.partition(" ")
+        where = f"{paths.get(frames[0][0], frames[0][0])}:{frames[0][1]}" if frames else ""
         instrs.append(Instr(op, where, rest.strip()))
-        owner.append(loop)
     spans = {}
-    for n, h in enumerate(owner):
+    for n, (_, h, _, _) in enumerate(insts):
         seen = set()
         while h is not None and h not in seen:
             seen.add(h)

@@ -38,7 +38,7 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # of the cubin, with source lines) or OUT.s (AMDGCN), and OUT.json: the compile report's
 # fields, the launch's constexprs and the pointer arguments' element types ("bf16",
 # "fp32", ...), which the cost models count bytes by. "# (config changes)" is where a
-# caller inserts code that edits the config tables first.
+# caller inserts code that edits the config tables (``target``'s entries) first.
 _COMPILE = r"""
 import json, os, subprocess, sys
 os.environ.pop("TRITON_INTERPRET", None)
@@ -47,9 +47,9 @@ try:
     from kda_jax import aot  # a source tree from before the compile report left the package
 except ImportError:
     from bench import aot
-# (config changes)
 kernel, spec_name, out = sys.argv[1:4]
 target = sys.argv[4] if len(sys.argv) > 4 else "sm90"
+# (config changes)
 captured = {}
 compile_ = triton.compile
 def keep(*a, **k):
