@@ -100,8 +100,9 @@ def test_occupancy_and_estimate():
 
 
 def test_variant_changes_the_sm90_configs(monkeypatch):
-    """--variant: the child's prelude changes the named sm90 fields, forward and
-    backward, at both chunk sizes, and nothing else."""
+    """--variant: the child's prelude changes the named fields of its target's
+    entries (sm90 here), forward and backward, at both chunk sizes, and nothing
+    else."""
     import dataclasses
     import os
 
@@ -112,7 +113,7 @@ def test_variant_changes_the_sm90_configs(monkeypatch):
     before_fwd, before_bwd = configs.FORWARD["sm90"], configs.BACKWARD_C32["sm90"]
     monkeypatch.setenv("KDA_COST_CHANGES", "prepare_block_k=32+backward.product_dot=tf32")
     try:
-        exec(cm._CHANGES, {"os": os})
+        exec(cm._CHANGES, {"os": os, "target": "sm90"})
         assert configs.FORWARD["sm90"] == dataclasses.replace(before_fwd, prepare_block_k=32)
         assert configs.BACKWARD_C32["sm90"] == dataclasses.replace(before_bwd,
                                                                    product_dot="tf32")
