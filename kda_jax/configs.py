@@ -72,6 +72,10 @@ class ForwardConfig:
       (one [BT, BT] accumulator live at a time: fewer registers, the k and
       log-decay tiles read twice) instead of one pass for both, with 16-bit /
       float32 inputs.
+    prepare_batched_l1: the two-level products' level 1 (pairs within 8-row
+      blocks) as products batched over the 16-row diagonal blocks, a quarter
+      of a whole-chunk product's registers and work, instead of whole-chunk
+      products masked to its pairs (docs/kda.md section 3).
     prepare_dot: precision of its intra-chunk products Akk and Aqk with
       16-bit inputs: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32
       products, about fp32 accuracy), "tf32" (NVIDIA only), "bf16" (operands
@@ -104,6 +108,7 @@ class ForwardConfig:
     prepare_stages: int = 1
     prepare_split: bool = False
     prepare_split_fp32: bool = False
+    prepare_batched_l1: bool = False
     prepare_dot: str = "ieee"
     prepare_wu_dot: str = "ieee"
     inverse_dot: str = "ieee"
@@ -125,7 +130,7 @@ class ForwardConfig:
             stages=("prepare_stages", "state_stages", "state_stages_fp32"),
             dots=("prepare_dot", "prepare_wu_dot", "inverse_dot", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
-        for name in ("prepare_split", "prepare_split_fp32"):
+        for name in ("prepare_split", "prepare_split_fp32", "prepare_batched_l1"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
 
@@ -405,6 +410,8 @@ class BackwardConfig:
       float32 intermediates (prepare_warps / prepare_stages: 16-bit ones).
     prepare_dot_fp32: every recompute product with float32 inputs (as
       ForwardConfig.fp32_dot).
+    batched_l1: the two-level products' level 1 batched over diagonal blocks
+      (ForwardConfig.prepare_batched_l1) in the recompute and the intra kernel.
 
     Both state passes (forward h and reverse dS; one program per sequence,
     head and V block):
@@ -488,6 +495,7 @@ class BackwardConfig:
     wy_dot_fp32: str = "ieee"
     intra_block_k: int = 32
     intra_warps: int = 4
+    batched_l1: bool = False
     product_dot: str = "ieee"
     product_dot_fp16: str = "ieee"
     product_dot_fp32: str = "ieee"
@@ -509,7 +517,7 @@ class BackwardConfig:
                   "product_dot_fp32", "fp32_dot"))
         _check_inverse_dot("inverse_dot", self.inverse_dot)
         _check_fp32_grade("wy_dot_fp32", self.wy_dot_fp32)
-        for name in ("dstate_split_k", "prepare_split", "prepare_split_fp32"):
+        for name in ("dstate_split_k", "prepare_split", "prepare_split_fp32", "batched_l1"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if (not isinstance(self.gate_fp32_max_k, int) or isinstance(self.gate_fp32_max_k, bool)

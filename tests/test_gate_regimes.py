@@ -260,12 +260,56 @@ def test_split_passes_match_reference(kind, check_close, check_rel_rms):
         check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
 
 
+@pytest.mark.parametrize("kind,split", [("gate", False), ("plain", False), ("gate", True)])
+def test_batched_level1_matches_reference(kind, split, check_close, check_rel_rms):
+    """The two-level products with level 1 batched over 16-row diagonal
+    blocks (prepare_batched_l1 / batched_l1: the forward's prepare, the
+    backward's recompute and intra kernel), in one pass and in the split
+    passes: o, the final state and every gradient against the float32
+    reference, float32 inputs, steep gates."""
+    import dataclasses
+
+    from kda_jax import configs
+
+    x, kw = _case(kind, jnp.dtype("float32"), GRAD_SHAPE)
+    params = _params(x, kw)
+    fwd = dataclasses.replace(configs.forward_config(), prepare_batched_l1=True,
+                              prepare_split=split, prepare_split_fp32=split)
+    bwd = dataclasses.replace(configs.backward_config(), batched_l1=True, prepare_split=split,
+                              prepare_split_fp32=split)
+    with configs.override(fwd, bwd):
+        o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton")
+        got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1)
+    ro, rs = _call(kda_jax.naive_recurrent_kda, params, kw)
+    check_close(o, ro, "float32", "o")
+    check_close(s, rs, "float32", "final_state")
+    for n, r in ref.items():
+        check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["", "batched-l1"])
 @pytest.mark.parametrize("field", ["k", "q"])
-def test_nonfinite_stays_causal(field):
+def test_nonfinite_stays_causal(field, batched):
     """A NaN in k (q) at token 20 of a chunk with strong gates: outputs before it
     (and the gradients there, with its outputs' cotangents zero) are
     bit-identical to the run with a zero there; o from token 20 on (at token
-    20 only) is NaN (tests/test_nonfinite.py's contract on mild gates)."""
+    20 only) is NaN (tests/test_nonfinite.py's contract on mild gates); also
+    with level 1 batched (its non-finite rows reduced per K slice)."""
+    import contextlib
+    import dataclasses
+
+    from kda_jax import configs
+
+    ctx = contextlib.nullcontext()
+    if batched:
+        ctx = configs.override(
+            dataclasses.replace(configs.forward_config(), prepare_batched_l1=True),
+            dataclasses.replace(configs.backward_config(), batched_l1=True))
+    with ctx:
+        _nonfinite_stays_causal(field)
+
+
+def _nonfinite_stays_causal(field):
     x, kw = _case("plain", jnp.dtype("float32"), dict(SHAPE, T=64, H=1))
     tok = 20
     bad, clean = _params(x, kw), _params(x, kw)

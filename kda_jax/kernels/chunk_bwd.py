@@ -54,8 +54,8 @@ themselves, not to |G|.
 import triton
 import triton.language as tl
 
-from .common import (anchored_mask, chunk_exponents, chunk_rows, decay_row, dot, g_last_row,
-                     g_tile, next_decay_row, tile)
+from .common import (BD, BR, anchored_mask, chunk_exponents, chunk_rows, decay_row, dot,
+                     g_last_row, g_tile, next_decay_row, tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
 
@@ -343,14 +343,18 @@ def kda_bwd_inter_kernel(
 
 
 @triton.jit
-def _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, o_t, DOT: tl.constexpr):
+def _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, b_dl1, b_daqs1, o_t,
+                           DOT: tl.constexpr, BATCHED: tl.constexpr):
     """Backward of the forward's two-level intra-chunk products
     (chunk_fwd._anchored_accumulate; docs/kda.md section 3) over one K slice:
     per level, the row factors R and column factors C with e_ij = R_i C_j on
     its pairs (common.chunk_exponents), and four masked products. b_g: the
     log-decays [BT, BK]; b_dl = dL and b_daqs = dAqk without its diagonal
-    ([BT, BT]); b_b = beta. The diagonal (e^0, dAqk's only: dL is strictly
-    lower) is the caller's.
+    ([BT, BT]); with BATCHED, b_dl1 and b_daqs1 their BD-row diagonal
+    blocks on level 1's pairs alone ([BT / BD, BD, BD], _level1_blocks),
+    and level 1's products run batched over those blocks as the forward's
+    do (unused otherwise); b_b = beta.
+    The diagonal (e^0, dAqk's only: dL is strictly lower) is the caller's.
 
     Returns (Qd, Dk, P) for this K slice: Qd_i = sum_j dAqk_ij k_j e_ij,
     Dk_j = sum_i (beta_i dL_ij k_i + dAqk_ij q_i) e_ij and
@@ -359,8 +363,12 @@ def _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, o_t, DOT: tl.conste
     _, _, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
     b_qd, b_dk, b_pk = _anchored_level_bwd(b_q, b_k, tl.exp(b_r0), tl.exp(b_c0),
                                            anchored_mask(o_t, 0), b_dl, b_dlb, b_daqs, DOT)
-    e_qd, e_dk, e_pk = _anchored_level_bwd(b_q, b_k, tl.exp(b_r1), tl.exp(b_c1),
-                                           anchored_mask(o_t, 1), b_dl, b_dlb, b_daqs, DOT)
+    if BATCHED:
+        e_qd, e_dk, e_pk = _level1_batched_bwd(b_q, b_k, tl.exp(b_r1), tl.exp(b_c1), b_b, b_dl1,
+                                               b_daqs1, DOT)
+    else:
+        e_qd, e_dk, e_pk = _anchored_level_bwd(b_q, b_k, tl.exp(b_r1), tl.exp(b_c1),
+                                               anchored_mask(o_t, 1), b_dl, b_dlb, b_daqs, DOT)
     return b_qd + e_qd, b_dk + e_dk, b_pk + e_pk
 
 
@@ -374,6 +382,37 @@ def _anchored_level_bwd(b_q, b_k, b_r, b_c, m_l, b_dl, b_dlb, b_daqs, DOT: tl.co
     b_qd = b_r * dot(b_dam, b_kc, DOT)
     b_pk = b_r * dot(tl.where(m_l, b_dl, 0.), b_kc, DOT)
     return b_qd, b_c * b_dkc, b_pk
+
+
+@triton.jit
+def _level1_batched_bwd(b_q, b_k, b_r, b_c, b_b, b_dl1, b_daqs1, DOT: tl.constexpr):
+    """Level 1 of _anchored_products_bwd batched over its BD-row diagonal
+    blocks (b_dl1, b_daqs1: [BT / BD, BD, BD], its pairs alone): (Qd, Dk,
+    P) as _anchored_level_bwd's, [BT, BK]."""
+    BT: tl.constexpr = b_q.shape[0]
+    BK: tl.constexpr = b_q.shape[1]
+    NB: tl.constexpr = BT // BD
+    b_dlb1 = b_dl1 * tl.reshape(b_b, [NB, BD, 1])
+    b_dkc = dot(tl.permute(b_dlb1, (0, 2, 1)), tl.reshape(b_k * b_r, [NB, BD, BK]), DOT)
+    b_dkc = dot(tl.permute(b_daqs1, (0, 2, 1)), tl.reshape(b_q * b_r, [NB, BD, BK]), DOT,
+                b_dkc)
+    b_kc = tl.reshape(b_k * b_c, [NB, BD, BK])
+    b_qd = b_r * tl.reshape(dot(b_daqs1, b_kc, DOT), [BT, BK])
+    b_pk = b_r * tl.reshape(dot(b_dl1, b_kc, DOT), [BT, BK])
+    return b_qd, b_c * tl.reshape(b_dkc, [BT, BK]), b_pk
+
+
+@triton.jit
+def _level1_blocks(x, t0, n_rows, i_hv, HV: tl.constexpr, BT: tl.constexpr):
+    """The BD-row diagonal blocks of the chunk's [BT, BT] tile of x [T, HV, BT]
+    on level 1's pairs (i > j in one BR-row block; 0 elsewhere and on rows
+    past the chunk), [BT / BD, BD, BD] fp32, loaded as such."""
+    o_b = tl.arange(0, BT // BD)[:, None, None] * BD
+    o_r = tl.arange(0, BD)[None, :, None]
+    o_c = tl.arange(0, BD)[None, None, :]
+    m_1 = ((o_r // BR) == (o_c // BR)) & (o_r > o_c) & (o_b + o_r < n_rows)
+    p_1 = ((t0 + o_b + o_r).to(tl.int64) * HV + i_hv) * BT + o_b + o_c
+    return tl.load(x + p_1, mask=m_1, other=0.).to(tl.float32)
 
 
 @triton.jit
@@ -508,14 +547,15 @@ def kda_bwd_intra_kernel(
     n_tokens,
     dq, dk, dg, dbeta_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, DOT_A: tl.constexpr,
+    BK: tl.constexpr, DOT_A: tl.constexpr, BATCHED_L1: tl.constexpr,
 ):
     """Per chunk, value head and K block: the intra-chunk products
     Akk = k k^T e^(G_i - G_j) and Aqk = q k^T e^(G_i - G_j) back to q, k and G
     (dAkk = beta dL, and scale * dAqk from the wy kernel), then dg = the
     reverse cumsum of dG. Writes the final dq, dk, dg and dbeta's share
     sum over K of k_i * sum_j dL_ij k_j e^(G_i - G_j): dbeta_k [T, HV, NK],
-    one column per program along K.
+    one column per program along K. BATCHED_L1: level 1's products batched
+    over diagonal blocks (_anchored_products_bwd).
 
     dAqk's diagonal (factor e^(G_i - G_i) = 1) goes to dq and dk only: its
     exponent does not depend on G, and adding its O(1) term to dG_i from the
@@ -543,7 +583,13 @@ def kda_bwd_intra_kernel(
     b_dd = tl.load(daqk + (r64 * HV + i_hv) * BT + o_t, mask=m_t, other=0.)
     b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
     b_daqs = tl.load(daqk + p_tt, mask=m_tt & (o_t[:, None] != o_t[None, :]), other=0.)
-    e_dq, e_dk, e_p = _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, o_t, DOT_A)
+    b_dl1 = b_dl
+    b_daqs1 = b_daqs
+    if BATCHED_L1:
+        b_dl1 = _level1_blocks(dl, t0, n_rows, i_hv, HV, BT)
+        b_daqs1 = _level1_blocks(daqk, t0, n_rows, i_hv, HV, BT)
+    e_dq, e_dk, e_p = _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, b_dl1, b_daqs1,
+                                             o_t, DOT_A, BATCHED_L1)
     # The partials are loaded after the products (fewer tiles live).
     b_db = tl.sum(e_p * b_k, axis=1)
     b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.) + e_dk + e_p * b_b[:, None]

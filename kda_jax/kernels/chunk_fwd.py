@@ -34,8 +34,8 @@ pair's decay, which a clamp changes only where it passes e^-20 anyway.
 import triton
 import triton.language as tl
 
-from .common import (anchored_mask, chunk_exponents, chunk_rows, decay_row, dot, next_decay_row,
-                     store_zero_rows, tile)
+from .common import (BD, BR, anchored_mask, chunk_exponents, chunk_rows, decay_row, dot,
+                     next_decay_row, store_zero_rows, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state, store_state_row
 from .varlen import seq_chunks, seq_span
@@ -94,18 +94,27 @@ def _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k,
 
 @triton.jit
 def _anchored_accumulate(b_x0, b_x1, b_a, b_e0, b_y0, b_e1, b_y1, o_t, DOT: tl.constexpr,
-                         MASKED: tl.constexpr):
+                         MASKED: tl.constexpr, BATCHED: tl.constexpr):
     """The two levels' products of one K slice (docs/kda.md section 3): b_a
     [BT, BK] the row operand (q for Aqk, k for Akk), b_e0 = R0 and b_e1 =
-    R1 its factors, b_y0 = (k C0)^T and b_y1 = (k C1)^T the column operands
-    [BK, BT] (shared by Aqk and Akk). Every factor is finite on every pair
-    (at most e^60, common.chunk_exponents), so by default each level
-    accumulates unmasked, b_x0 + (a R0) (k C0)^T and b_x1 + (a R1) (k C1)^T
-    ([BT, BT]), and its mask applies once, after the last slice
-    (_anchored_combine). MASKED: both levels go masked into b_x0 at every
-    slice (one [BT, BT] accumulator instead of two: fewer registers, more
-    instructions; b_x1 unused)."""
-    if MASKED:
+    R1 its factors, b_y0 = (k C0)^T [BK, BT] level 0's column operand and
+    b_y1 level 1's (_level1_operand; both shared by Aqk and Akk). Every
+    factor is finite on every pair (at most e^60, common.chunk_exponents),
+    so by default each level accumulates unmasked, b_x0 + (a R0) (k C0)^T
+    ([BT, BT]) and b_x1 + (a R1) (k C1)^T, and its mask applies once, after
+    the last slice (_anchored_combine).
+
+    BATCHED: level 1 only over its BD-row diagonal blocks (b_x1 and b_y1 by
+    block: [BT / BD, BD, BD] and [BT / BD, BK, BD]). Otherwise b_x1 is
+    [BT, BT] and b_y1 = (k C1)^T [BK, BT], and with MASKED both levels go
+    masked into b_x0 at every slice (one [BT, BT] accumulator instead of
+    two: fewer registers, more instructions; b_x1 unused)."""
+    BT: tl.constexpr = b_a.shape[0]
+    BK: tl.constexpr = b_a.shape[1]
+    if BATCHED:
+        b_x0 = dot(b_a * b_e0, b_y0, DOT, b_x0)
+        b_x1 = dot(tl.reshape(b_a * b_e1, [BT // BD, BD, BK]), b_y1, DOT, b_x1)
+    elif MASKED:
         b_x0 += tl.where(anchored_mask(o_t, 0), dot(b_a * b_e0, b_y0, DOT), 0.)
         b_x0 += tl.where(anchored_mask(o_t, 1), dot(b_a * b_e1, b_y1, DOT), 0.)
     else:
@@ -115,11 +124,43 @@ def _anchored_accumulate(b_x0, b_x1, b_a, b_e0, b_y0, b_e1, b_y1, o_t, DOT: tl.c
 
 
 @triton.jit
-def _anchored_combine(b_x0, b_x1, o_t, MASKED: tl.constexpr):
+def _level1_operand(b_k, b_c1, BATCHED: tl.constexpr):
+    """Level 1's column operand: (k C1)^T [BK, BT], or with BATCHED k C1 by
+    BD-row diagonal block, [BT / BD, BK, BD] (_anchored_accumulate)."""
+    BT: tl.constexpr = b_k.shape[0]
+    BK: tl.constexpr = b_k.shape[1]
+    if BATCHED:
+        return tl.permute(tl.reshape(b_k * tl.exp(b_c1), [BT // BD, BD, BK]), (0, 2, 1))
+    else:
+        return tl.trans(b_k * tl.exp(b_c1))
+
+
+@triton.jit
+def _level1_zeros(BT: tl.constexpr, BATCHED: tl.constexpr):
+    """Level 1's accumulator (_anchored_accumulate), zeros."""
+    if BATCHED:
+        return tl.zeros([BT // BD, BD, BD], dtype=tl.float32)
+    else:
+        return tl.zeros([BT, BT], dtype=tl.float32)
+
+
+@triton.jit
+def _anchored_combine(b_x0, b_x1, o_t, MASKED: tl.constexpr, BATCHED: tl.constexpr):
     """a_i . k_j e^(G_i - G_j) for every j < i ([BT, BT], 0 elsewhere) from
-    _anchored_accumulate's accumulators: each level on its own pairs (with
-    MASKED, b_x0 already is)."""
-    if MASKED:
+    _anchored_accumulate's accumulators, each level on its own pairs: level
+    0 where i's BR-row block follows j's, level 1 within one BR-row block
+    (common.anchored_mask; with BATCHED its diagonal blocks placed on the
+    diagonal; with MASKED, b_x0 already is the sum)."""
+    BT: tl.constexpr = b_x0.shape[0]
+    if BATCHED:
+        o_d = tl.arange(0, BD)
+        m_1 = ((o_d[:, None] // BR) == (o_d[None, :] // BR)) & (o_d[:, None] > o_d[None, :])
+        b_x1 = tl.where(m_1[None, :, :], b_x1, 0.)
+        o_b = tl.arange(0, BT // BD)
+        m_own = o_b[:, None, None, None] == o_b[None, None, :, None]
+        b_x1 = tl.reshape(tl.where(m_own, b_x1[:, :, None, :], 0.), [BT, BT])
+        return tl.where(anchored_mask(o_t, 0), b_x0, 0.) + b_x1
+    elif MASKED:
         return b_x0
     else:
         return (tl.where(anchored_mask(o_t, 0), b_x0, 0.)
@@ -186,7 +227,7 @@ def kda_fwd_prepare_kernel(
     HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
     DOT_A: tl.constexpr, DOT_WU: tl.constexpr, DOT_INV: tl.constexpr, STORE_X: tl.constexpr,
-    SPLIT_PASSES: tl.constexpr,
+    SPLIT_PASSES: tl.constexpr, BATCHED_L1: tl.constexpr,
 ):
     """One program per (chunk, value head). With STORE_X (the backward's
     recompute) it also writes X^T, X = (I + L)^-1 (fp32, [T, HV, BT]), and G,
@@ -195,6 +236,10 @@ def kda_fwd_prepare_kernel(
     take a pass over K each (one [BT, BT] accumulator live at a time; fewer
     registers, the k and log-decay tiles read twice); gc then also carries
     the in-kernel gate's log-decays from the first pass to the second.
+    BATCHED_L1: level 1's products batched over diagonal blocks
+    (_anchored_accumulate), Aqk's diagonal and the non-finite rows reduced
+    per slice (fewer registers); otherwise the split passes mask every
+    slice into one accumulator per matrix.
 
     Non-finite inputs: every load replaces the entries that would poison the
     recurrence by 0 (kernels/gate.py), and records the rows that held one.
@@ -243,13 +288,19 @@ def kda_fwd_prepare_kernel(
     p_hk = i_hv * K
     p_gl = gl + (i_c.to(tl.int64) * HV + i_hv) * K
     b_aqk0 = tl.zeros([BT, BT], dtype=tl.float32)
-    b_aqk1 = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk1 = _level1_zeros(BT, BATCHED_L1)
     b_akk0 = tl.zeros([BT, BT], dtype=tl.float32)
-    b_akk1 = tl.zeros([BT, BT], dtype=tl.float32)
-    # Aqk's diagonal and the non-finite entries, elementwise over the slices
-    # (one reduction each after the loop, not one per slice).
-    b_qk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_bad_tk = tl.zeros([BT, BK], dtype=tl.int1)
+    b_akk1 = _level1_zeros(BT, BATCHED_L1)
+    MASKED: tl.constexpr = SPLIT_PASSES and not BATCHED_L1
+    # Aqk's diagonal and the non-finite entries: elementwise over the slices
+    # and reduced once after the loop, or (BATCHED_L1) reduced per slice,
+    # which holds fewer registers.
+    if BATCHED_L1:
+        b_qk = tl.zeros([BT], dtype=tl.float32)
+        b_bad_tk = tl.zeros([BT], dtype=tl.int1)
+    else:
+        b_qk = tl.zeros([BT, BK], dtype=tl.float32)
+        b_bad_tk = tl.zeros([BT, BK], dtype=tl.int1)
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
@@ -258,7 +309,7 @@ def kda_fwd_prepare_kernel(
         b_g, b_bad = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
-        b_bad_tk = b_bad_tk | b_bad
+        b_bad_g = b_bad
         # Rows past the sequence have g = 0: G repeats the last row there.
         b_G, b_S, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
         if STORE_X and not SPLIT_PASSES:
@@ -267,18 +318,24 @@ def kda_fwd_prepare_kernel(
             tl.store(gc + p_tk, b_g, mask=m_tk)  # for pass 2
         b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K) * b_sq[:, None]
         b_k, b_bad = _tile_checked(k, rows, m_t, i_h, o_k, m_k, H, K)
-        b_bad_tk = b_bad_tk | b_bad
+        if BATCHED_L1:
+            b_bad_tk = b_bad_tk | _bad_rows(b_bad_g | b_bad)
+        else:
+            b_bad_tk = b_bad_tk | b_bad_g | b_bad
         b_k = b_k * b_sk[:, None]
         b_e0 = tl.exp(b_r0)
         b_e1 = tl.exp(b_r1)
         b_y0 = tl.trans(b_k * tl.exp(b_c0))
-        b_y1 = tl.trans(b_k * tl.exp(b_c1))
+        b_y1 = _level1_operand(b_k, b_c1, BATCHED_L1)
         b_aqk0, b_aqk1 = _anchored_accumulate(b_aqk0, b_aqk1, b_q, b_e0, b_y0, b_e1, b_y1, o_t,
-                                              DOT_A, SPLIT_PASSES)
+                                              DOT_A, MASKED, BATCHED_L1)
         if not SPLIT_PASSES:
             b_akk0, b_akk1 = _anchored_accumulate(b_akk0, b_akk1, b_k, b_e0, b_y0, b_e1, b_y1,
-                                                  o_t, DOT_A, SPLIT_PASSES)
-        b_qk += b_q * b_k
+                                                  o_t, DOT_A, MASKED, BATCHED_L1)
+        if BATCHED_L1:
+            b_qk += tl.sum(b_q * b_k, axis=1)
+        else:
+            b_qk += b_q * b_k
         b_eG = tl.exp(b_G)
         # exp(G_last): G's last row (rows past the sequence repeat it).
         tl.store(p_gl + o_k[None, :] + 0 * o_t[:, None], b_eG,
@@ -287,9 +344,14 @@ def kda_fwd_prepare_kernel(
         tl.store(kt + p_tk, (b_k * tl.exp(b_S)).to(kt.dtype.element_ty), mask=m_tk)
         tl.store(w + p_tk, (b_k * b_b[:, None] * b_eG).to(w.dtype.element_ty), mask=m_tk)
     # Aqk, scaled, its diagonal exact (q_i . k_i), zero above it.
-    b_aqk = _anchored_combine(b_aqk0, b_aqk1, o_t, SPLIT_PASSES)
-    b_poison = b_poison | _bad_rows(b_bad_tk)
-    b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_qk, axis=1)[:, None], 0.)
+    b_aqk = _anchored_combine(b_aqk0, b_aqk1, o_t, MASKED, BATCHED_L1)
+    if BATCHED_L1:
+        b_poison = b_poison | b_bad_tk
+        b_diag = b_qk
+    else:
+        b_poison = b_poison | _bad_rows(b_bad_tk)
+        b_diag = tl.sum(b_qk, axis=1)
+    b_aqk += tl.where(o_t[:, None] == o_t[None, :], b_diag[:, None], 0.)
     b_aqk = b_aqk * SCALE
     tl.store(aqk + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :],
              b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
@@ -317,14 +379,15 @@ def kda_fwd_prepare_kernel(
             b_G, _, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
             b_akk0, b_akk1 = _anchored_accumulate(
                 b_akk0, b_akk1, b_k, tl.exp(b_r0), tl.trans(b_k * tl.exp(b_c0)),
-                tl.exp(b_r1), tl.trans(b_k * tl.exp(b_c1)), o_t, DOT_A, SPLIT_PASSES)
+                tl.exp(b_r1), _level1_operand(b_k, b_c1, BATCHED_L1), o_t, DOT_A, MASKED,
+                BATCHED_L1)
             if STORE_X:
                 if USE_GATE:
                     tl.debug_barrier()  # every read of the slice before any write over it
                 tl.store(gc + p_tk, b_G, mask=m_tk)
 
     # X = (I + L)^-1 with L = diag(beta) strict_lower(Akk).
-    b_l = _anchored_combine(b_akk0, b_akk1, o_t, SPLIT_PASSES) * b_b[:, None]
+    b_l = _anchored_combine(b_akk0, b_akk1, o_t, MASKED, BATCHED_L1) * b_b[:, None]
     b_x = _unit_lower_inverse(b_l, o_t, BT, DOT_INV)
     if STORE_X:
         tl.store(x + (r64 * HV + i_hv)[:, None] * BT + o_t[None, :], tl.trans(b_x),

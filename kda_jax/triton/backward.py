@@ -63,6 +63,7 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         prepare_stages=config.prepare_stages if sixteen_bit else config.prepare_stages_fp32,
         prepare_split=config.prepare_split,
         prepare_split_fp32=config.prepare_split_fp32,
+        prepare_batched_l1=config.batched_l1,
         prepare_dot=config.prepare_dot,
         prepare_wu_dot=config.prepare_wu_dot, inverse_dot=config.inverse_dot,
         fp32_dot=config.prepare_dot_fp32, prepare_block_k_fp32=config.prepare_block_k_fp32)
@@ -159,7 +160,8 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                 (config.wy_dot, config.wy_dot_fp16, config.wy_dot_fp32)[by_work])),
             config.wy_warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(
-            H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, config.intra_block_k), DOT_A=dot_a),
+            H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, config.intra_block_k), DOT_A=dot_a,
+            BATCHED_L1=config.batched_l1),
             config.intra_warps, 1),
     ]
     return {launch_.kernel: launch_ for launch_ in launches}
