@@ -69,13 +69,14 @@ class ForwardConfig:
       inputs; float32 ones take fp32-grade products, which hold more registers.
     prepare_warps / prepare_stages: its num_warps / num_stages.
     prepare_split / prepare_split_fp32: Aqk and Akk in a pass over K each
-      (one [BT, BT] accumulator live at a time: fewer registers, the k and
+      (one matrix's accumulators live at a time: fewer registers, the k and
       log-decay tiles read twice) instead of one pass for both, with 16-bit /
       float32 inputs.
     prepare_batched_l1: the two-level products' level 1 (pairs within 8-row
-      blocks) as products batched over the 16-row diagonal blocks, a quarter
-      of a whole-chunk product's registers and work, instead of whole-chunk
-      products masked to its pairs (docs/kda.md section 3).
+      blocks) as products batched over the 16-row diagonal blocks (at chunk
+      64 a quarter of a whole-chunk product's registers and work, at 32
+      half) instead of whole-chunk products masked to its pairs (docs/kda.md
+      section 3).
     prepare_dot: precision of its intra-chunk products Akk and Aqk with
       16-bit inputs: "ieee" (fp32), "tf32x3" (NVIDIA only; three tf32
       products, about fp32 accuracy), "tf32" (NVIDIA only), "bf16" (operands

@@ -65,9 +65,10 @@ def _f32(params):
     return {n: jnp.asarray(p, jnp.float32) for n, p in params.items()}
 
 
-def _grads_and_reference(params, kw, shape, seed):
+def _grads_and_reference(params, kw, shape, seed, **triton_kw):
     """(Triton's, the float32 reference's) gradients of a random weighting of
-    o and the final state, for every input in params."""
+    o and the final state, for every input in params; triton_kw: more
+    arguments of the Triton call (chunk_size)."""
     rng = np.random.default_rng(seed)
     w_o = rng.standard_normal((1, shape["T"], shape["H"], shape["V"])).astype(np.float32)
     w_s = rng.standard_normal((1, shape["H"], shape["K"], shape["V"])).astype(np.float32)
@@ -78,7 +79,7 @@ def _grads_and_reference(params, kw, shape, seed):
             return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
         return jax.jit(jax.grad(loss))(p)
 
-    return (grads(kda_jax.chunk_kda, params, implementation="triton"),
+    return (grads(kda_jax.chunk_kda, params, implementation="triton", **triton_kw),
             grads(kda_jax.naive_recurrent_kda, _f32(params)))
 
 
@@ -260,26 +261,30 @@ def test_split_passes_match_reference(kind, check_close, check_rel_rms):
         check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
 
 
-@pytest.mark.parametrize("kind,split", [("gate", False), ("plain", False), ("gate", True)])
-def test_batched_level1_matches_reference(kind, split, check_close, check_rel_rms):
+@pytest.mark.parametrize("kind,split,chunk", [("gate", False, 64), ("plain", False, 64),
+                                              ("gate", True, 64), ("plain", True, 32)])
+def test_batched_level1_matches_reference(kind, split, chunk, check_close, check_rel_rms):
     """The two-level products with level 1 batched over 16-row diagonal
     blocks (prepare_batched_l1 / batched_l1: the forward's prepare, the
     backward's recompute and intra kernel), in one pass and in the split
-    passes: o, the final state and every gradient against the float32
-    reference, float32 inputs, steep gates."""
+    passes, over 16-wide K slices (several per chunk), at chunk 64 and 32:
+    o, the final state and every gradient against the float32 reference,
+    float32 inputs, steep gates."""
     import dataclasses
 
     from kda_jax import configs
 
     x, kw = _case(kind, jnp.dtype("float32"), GRAD_SHAPE)
     params = _params(x, kw)
-    fwd = dataclasses.replace(configs.forward_config(), prepare_batched_l1=True,
-                              prepare_split=split, prepare_split_fp32=split)
-    bwd = dataclasses.replace(configs.backward_config(), batched_l1=True, prepare_split=split,
-                              prepare_split_fp32=split)
+    fwd = dataclasses.replace(configs.forward_config(chunk_size=chunk), prepare_batched_l1=True,
+                              prepare_split=split, prepare_split_fp32=split,
+                              prepare_block_k=16, prepare_block_k_fp32=16)
+    bwd = dataclasses.replace(configs.backward_config(chunk_size=chunk), batched_l1=True,
+                              prepare_split=split, prepare_split_fp32=split,
+                              prepare_block_k=16, prepare_block_k_fp32=16, intra_block_k=16)
     with configs.override(fwd, bwd):
-        o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton")
-        got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1)
+        o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton", chunk_size=chunk)
+        got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1, chunk_size=chunk)
     ro, rs = _call(kda_jax.naive_recurrent_kda, params, kw)
     check_close(o, ro, "float32", "o")
     check_close(s, rs, "float32", "final_state")
@@ -302,9 +307,12 @@ def test_nonfinite_stays_causal(field, batched):
 
     ctx = contextlib.nullcontext()
     if batched:
+        # 16-wide K slices: the NaN's slice is one of several.
         ctx = configs.override(
-            dataclasses.replace(configs.forward_config(), prepare_batched_l1=True),
-            dataclasses.replace(configs.backward_config(), batched_l1=True))
+            dataclasses.replace(configs.forward_config(), prepare_batched_l1=True,
+                                prepare_block_k=16, prepare_block_k_fp32=16),
+            dataclasses.replace(configs.backward_config(), batched_l1=True, prepare_block_k=16,
+                                prepare_block_k_fp32=16, intra_block_k=16))
     with ctx:
         _nonfinite_stays_causal(field)
 

@@ -237,9 +237,10 @@ def kda_fwd_prepare_kernel(
     registers, the k and log-decay tiles read twice); gc then also carries
     the in-kernel gate's log-decays from the first pass to the second.
     BATCHED_L1: level 1's products batched over diagonal blocks
-    (_anchored_accumulate), Aqk's diagonal and the non-finite rows reduced
-    per slice (fewer registers); otherwise the split passes mask every
-    slice into one accumulator per matrix.
+    (_anchored_accumulate; each matrix a [BT, BT] and a [BT / 16, 16, 16]
+    accumulator, both unmasked until the end), Aqk's diagonal and the
+    non-finite rows reduced per slice (fewer registers); otherwise the split
+    passes mask every slice into one [BT, BT] accumulator per matrix.
 
     Non-finite inputs: every load replaces the entries that would poison the
     recurrence by 0 (kernels/gate.py), and records the rows that held one.
@@ -309,7 +310,10 @@ def kda_fwd_prepare_kernel(
         b_g, b_bad = _log_decay_tile(g, b_alog, dt_bias, rows, m_t, i_hv, o_k, m_k, HV, K,
                                      USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND,
                                      LOWER_BOUND)
-        b_bad_g = b_bad
+        if BATCHED_L1:
+            b_bad_g = b_bad
+        else:
+            b_bad_tk = b_bad_tk | b_bad
         # Rows past the sequence have g = 0: G repeats the last row there.
         b_G, b_S, b_r0, b_c0, b_r1, b_c1 = chunk_exponents(b_g)
         if STORE_X and not SPLIT_PASSES:
@@ -321,8 +325,12 @@ def kda_fwd_prepare_kernel(
         if BATCHED_L1:
             b_bad_tk = b_bad_tk | _bad_rows(b_bad_g | b_bad)
         else:
-            b_bad_tk = b_bad_tk | b_bad_g | b_bad
+            b_bad_tk = b_bad_tk | b_bad
         b_k = b_k * b_sk[:, None]
+        if BATCHED_L1:
+            # k e^(G_last - G) first: S then dies before the products (at 4
+            # warps on sm90 the masked K = 100 form spilled 20 bytes otherwise).
+            tl.store(kt + p_tk, (b_k * tl.exp(b_S)).to(kt.dtype.element_ty), mask=m_tk)
         b_e0 = tl.exp(b_r0)
         b_e1 = tl.exp(b_r1)
         b_y0 = tl.trans(b_k * tl.exp(b_c0))
@@ -341,7 +349,8 @@ def kda_fwd_prepare_kernel(
         tl.store(p_gl + o_k[None, :] + 0 * o_t[:, None], b_eG,
                  mask=(o_t == BT - 1)[:, None] & m_k[None, :])
         tl.store(qg + p_tk, (b_q * b_eG * SCALE).to(qg.dtype.element_ty), mask=m_tk)
-        tl.store(kt + p_tk, (b_k * tl.exp(b_S)).to(kt.dtype.element_ty), mask=m_tk)
+        if not BATCHED_L1:
+            tl.store(kt + p_tk, (b_k * tl.exp(b_S)).to(kt.dtype.element_ty), mask=m_tk)
         tl.store(w + p_tk, (b_k * b_b[:, None] * b_eG).to(w.dtype.element_ty), mask=m_tk)
     # Aqk, scaled, its diagonal exact (q_i . k_i), zero above it.
     b_aqk = _anchored_combine(b_aqk0, b_aqk1, o_t, MASKED, BATCHED_L1)
