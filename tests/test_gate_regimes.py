@@ -261,6 +261,23 @@ def test_split_passes_match_reference(kind, check_close, check_rel_rms):
         check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
 
 
+def _batched_level1(chunk=64, split=False):
+    """configs.override with level 1 batched (prepare_batched_l1, batched_l1)
+    over 16-wide K slices (several per chunk), Aqk and Akk split into a pass
+    each or not: this arch's configs otherwise."""
+    import dataclasses
+
+    from kda_jax import configs
+
+    slices = dict(prepare_block_k=16, prepare_block_k_fp32=16, prepare_split=split,
+                  prepare_split_fp32=split)
+    return configs.override(
+        dataclasses.replace(configs.forward_config(chunk_size=chunk), prepare_batched_l1=True,
+                            **slices),
+        dataclasses.replace(configs.backward_config(chunk_size=chunk), batched_l1=True,
+                            intra_block_k=16, **slices))
+
+
 @pytest.mark.parametrize("kind,split,chunk", [("gate", False, 64), ("plain", False, 64),
                                               ("gate", True, 64), ("plain", True, 32)])
 def test_batched_level1_matches_reference(kind, split, chunk, check_close, check_rel_rms):
@@ -270,19 +287,9 @@ def test_batched_level1_matches_reference(kind, split, chunk, check_close, check
     passes, over 16-wide K slices (several per chunk), at chunk 64 and 32:
     o, the final state and every gradient against the float32 reference,
     float32 inputs, steep gates."""
-    import dataclasses
-
-    from kda_jax import configs
-
     x, kw = _case(kind, jnp.dtype("float32"), GRAD_SHAPE)
     params = _params(x, kw)
-    fwd = dataclasses.replace(configs.forward_config(chunk_size=chunk), prepare_batched_l1=True,
-                              prepare_split=split, prepare_split_fp32=split,
-                              prepare_block_k=16, prepare_block_k_fp32=16)
-    bwd = dataclasses.replace(configs.backward_config(chunk_size=chunk), batched_l1=True,
-                              prepare_split=split, prepare_split_fp32=split,
-                              prepare_block_k=16, prepare_block_k_fp32=16, intra_block_k=16)
-    with configs.override(fwd, bwd):
+    with _batched_level1(chunk, split):
         o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton", chunk_size=chunk)
         got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1, chunk_size=chunk)
     ro, rs = _call(kda_jax.naive_recurrent_kda, params, kw)
@@ -301,19 +308,8 @@ def test_nonfinite_stays_causal(field, batched):
     20 only) is NaN (tests/test_nonfinite.py's contract on mild gates); also
     with level 1 batched (its non-finite rows reduced per K slice)."""
     import contextlib
-    import dataclasses
 
-    from kda_jax import configs
-
-    ctx = contextlib.nullcontext()
-    if batched:
-        # 16-wide K slices: the NaN's slice is one of several.
-        ctx = configs.override(
-            dataclasses.replace(configs.forward_config(), prepare_batched_l1=True,
-                                prepare_block_k=16, prepare_block_k_fp32=16),
-            dataclasses.replace(configs.backward_config(), batched_l1=True, prepare_block_k=16,
-                                prepare_block_k_fp32=16, intra_block_k=16))
-    with ctx:
+    with _batched_level1() if batched else contextlib.nullcontext():
         _nonfinite_stays_causal(field)
 
 

@@ -54,7 +54,7 @@ themselves, not to |G|.
 import triton
 import triton.language as tl
 
-from .common import (BD, BR, anchored_mask, chunk_exponents, chunk_rows, decay_row, dot,
+from .common import (BD, anchored_mask, chunk_exponents, chunk_rows, decay_row, dot,
                      g_last_row, g_tile, next_decay_row, tile)
 from .state_io import load_state, next_k_block, state_offsets, store_state
 from .varlen import seq_chunks, seq_span
@@ -408,10 +408,10 @@ def _level1_blocks(x, t0, n_rows, i_hv, HV: tl.constexpr, BT: tl.constexpr):
     on level 1's pairs (i > j in one BR-row block; 0 elsewhere and on rows
     past the chunk), [BT / BD, BD, BD] fp32, loaded as such."""
     o_b = tl.arange(0, BT // BD)[:, None, None] * BD
-    o_r = tl.arange(0, BD)[None, :, None]
-    o_c = tl.arange(0, BD)[None, None, :]
-    m_1 = ((o_r // BR) == (o_c // BR)) & (o_r > o_c) & (o_b + o_r < n_rows)
-    p_1 = ((t0 + o_b + o_r).to(tl.int64) * HV + i_hv) * BT + o_b + o_c
+    o_d = tl.arange(0, BD)
+    o_r = o_d[None, :, None]
+    m_1 = anchored_mask(o_d, 1)[None, :, :] & (o_b + o_r < n_rows)
+    p_1 = ((t0 + o_b + o_r).to(tl.int64) * HV + i_hv) * BT + o_b + o_d[None, None, :]
     return tl.load(x + p_1, mask=m_1, other=0.).to(tl.float32)
 
 

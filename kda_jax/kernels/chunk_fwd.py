@@ -34,7 +34,7 @@ pair's decay, which a clamp changes only where it passes e^-20 anyway.
 import triton
 import triton.language as tl
 
-from .common import (BD, BR, anchored_mask, chunk_exponents, chunk_rows, decay_row, dot,
+from .common import (BD, anchored_mask, chunk_exponents, chunk_rows, decay_row, dot,
                      next_decay_row, store_zero_rows, tile)
 from .gate import GATE_FLOOR, bad_log_decay, gate, nonfinite, sigmoid
 from .state_io import load_state, next_k_block, state_offsets, store_state, store_state_row
@@ -105,21 +105,22 @@ def _anchored_accumulate(b_x0, b_x1, b_a, b_e0, b_y0, b_e1, b_y1, o_t, DOT: tl.c
     the last slice (_anchored_combine).
 
     BATCHED: level 1 only over its BD-row diagonal blocks (b_x1 and b_y1 by
-    block: [BT / BD, BD, BD] and [BT / BD, BK, BD]). Otherwise b_x1 is
-    [BT, BT] and b_y1 = (k C1)^T [BK, BT], and with MASKED both levels go
-    masked into b_x0 at every slice (one [BT, BT] accumulator instead of
-    two: fewer registers, more instructions; b_x1 unused)."""
+    block: [BT / BD, BD, BD] and [BT / BD, BK, BD]); otherwise b_x1 is
+    [BT, BT] and b_y1 = (k C1)^T [BK, BT]. MASKED (never with BATCHED):
+    both levels go masked into b_x0 at every slice (one [BT, BT]
+    accumulator instead of two: fewer registers, more instructions; b_x1
+    unused)."""
     BT: tl.constexpr = b_a.shape[0]
     BK: tl.constexpr = b_a.shape[1]
-    if BATCHED:
-        b_x0 = dot(b_a * b_e0, b_y0, DOT, b_x0)
-        b_x1 = dot(tl.reshape(b_a * b_e1, [BT // BD, BD, BK]), b_y1, DOT, b_x1)
-    elif MASKED:
+    if MASKED:
         b_x0 += tl.where(anchored_mask(o_t, 0), dot(b_a * b_e0, b_y0, DOT), 0.)
         b_x0 += tl.where(anchored_mask(o_t, 1), dot(b_a * b_e1, b_y1, DOT), 0.)
     else:
         b_x0 = dot(b_a * b_e0, b_y0, DOT, b_x0)
-        b_x1 = dot(b_a * b_e1, b_y1, DOT, b_x1)
+        if BATCHED:
+            b_x1 = dot(tl.reshape(b_a * b_e1, [BT // BD, BD, BK]), b_y1, DOT, b_x1)
+        else:
+            b_x1 = dot(b_a * b_e1, b_y1, DOT, b_x1)
     return b_x0, b_x1
 
 
@@ -153,9 +154,7 @@ def _anchored_combine(b_x0, b_x1, o_t, MASKED: tl.constexpr, BATCHED: tl.constex
     diagonal; with MASKED, b_x0 already is the sum)."""
     BT: tl.constexpr = b_x0.shape[0]
     if BATCHED:
-        o_d = tl.arange(0, BD)
-        m_1 = ((o_d[:, None] // BR) == (o_d[None, :] // BR)) & (o_d[:, None] > o_d[None, :])
-        b_x1 = tl.where(m_1[None, :, :], b_x1, 0.)
+        b_x1 = tl.where(anchored_mask(tl.arange(0, BD), 1)[None, :, :], b_x1, 0.)
         o_b = tl.arange(0, BT // BD)
         m_own = o_b[:, None, None, None] == o_b[None, None, :, None]
         b_x1 = tl.reshape(tl.where(m_own, b_x1[:, :, None, :], 0.), [BT, BT])

@@ -48,10 +48,11 @@ ANCHOR_CLAMP = tl.constexpr(20.0)
 # Rows per block of the two-level products: pairs in different blocks are the
 # first level, pairs within one block the second.
 BR = tl.constexpr(8)
-# Level 1's pairs lie in BR-row blocks on the diagonal: its products run
-# batched over BD-row diagonal blocks (BD >= 16, a matrix product's least
-# size; each holds BD / BR level-1 blocks), on [BT / BD, BD, *] tiles: a
-# quarter of a [BT, BT] product's work and registers at BT = 64.
+# Level 1's pairs lie in BR-row blocks on the diagonal: with the batched_l1
+# configs its products run batched over BD-row diagonal blocks (BD >= 16, a
+# matrix product's least size; each holds BD / BR level-1 blocks), on
+# [BT / BD, BD, *] tiles: a quarter of a [BT, BT] product's work and
+# registers at BT = 64.
 BD = tl.constexpr(16)
 
 
