@@ -243,20 +243,19 @@ def _segment_launch_for(kernel: str, target: str, spec: Spec):
     state pass splits K (that call never segments)."""
     import jax.numpy as jnp
 
-    from kda_jax.configs import backward_config, forward_config, segment_config
+    from kda_jax.configs import backward_config, forward_config
     from kda_jax.triton.backward import backward_work_dtype, segmented_backward_launches
     from kda_jax.triton.forward import segmented_launches, work_dtype
 
     opts, _, _, has_h0 = _spec_options(spec)
     in_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype]
     shape = dict(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
-                 segments=segment_config(target), has_initial_state=has_h0)
+                 has_initial_state=has_h0)
     if kernel in ("kda_segment_map_kernel", "kda_segment_fold_kernel",
                   "kda_fwd_state_output_seg"):
         config = forward_config(target, spec.chunk)
         work = work_dtype(in_dtype)
-        state, chain = segmented_launches(config=config, work=work, input_dtype=in_dtype,
-                                          **shape)
+        state, chain = segmented_launches(config=config, work=work, **shape)
         launch = {"kda_segment_map_kernel": chain.map, "kda_segment_fold_kernel": chain.fold,
                   "kda_fwd_state_output_seg": state}[kernel]
     else:
@@ -502,7 +501,9 @@ def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
 def _launch_fields(launch, config) -> dict:
     """A row's fields that come from the launch (they differ between the rows
     of one binary: the config may hold values this kernel does not read)."""
-    return dict(config=dataclasses.asdict(config), num_warps=launch.num_warps,
+    from kda_jax.configs import as_dict
+
+    return dict(config=as_dict(config), num_warps=launch.num_warps,
                 num_stages=launch.num_stages, constexprs=launch.constexprs)
 
 

@@ -572,16 +572,16 @@ def fit(rows: list[dict]) -> float:
 # --------------------------------------------------------------------------- #
 
 # Applied in the child before it compiles: the target's configs with a variant's fields changed
-# (KDA_COST_CHANGES, "FIELD=VALUE+backward.FIELD=VALUE"; values as bench.sweep reads them).
+# (KDA_COST_CHANGES, "PATH=VALUE+backward.PATH=VALUE"; values as bench.sweep reads them).
 _CHANGES = r"""
-import dataclasses
 from kda_jax import configs
 from bench.sweep import config_changes
 fields = config_changes(os.environ["KDA_COST_CHANGES"])
-for table in (configs.FORWARD, configs.FORWARD_C32):
-    table[target] = dataclasses.replace(table[target], **fields["forward"])
-for table in (configs.BACKWARD, configs.BACKWARD_C32):
-    table[target] = dataclasses.replace(table[target], **fields["backward"])
+for owner, tables in (("forward", (configs.FORWARD, configs.FORWARD_C32)),
+                      ("backward", (configs.BACKWARD, configs.BACKWARD_C32))):
+    for table in tables:
+        for path, value in fields[owner].items():
+            table[target] = configs.replace(table[target], path, value)
 """
 
 

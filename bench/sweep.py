@@ -51,9 +51,11 @@ def add_arguments(p):
 # triton@gfx950) runs the Triton path with another arch's forward and backward
 # configs (tiles, warps, product precisions) on this device: a relative figure
 # for that config's numerics and cost here, not that arch's time.
-# "triton:FIELD=VALUE[+...]" (e.g. triton:prepare_stages=1) runs it with those
-# fields of this device's ForwardConfig changed ("backward.FIELD=VALUE" and
-# "segment.FIELD=VALUE": of its BackwardConfig and SegmentConfig).
+# "triton:PATH=VALUE[+...]" (e.g. triton:prepare.16bit.stages=1) runs it with
+# those values of this device's ForwardConfig changed (a path through its
+# kernels, variants, "*" for all, and fields: kda_jax.configs.replace;
+# "backward.PATH=VALUE" and "segment.PATH=VALUE": of its BackwardConfig and
+# SegmentConfig).
 SEGMENT_VARIANTS = ("triton-noseg", "triton-seq")
 
 # "tree:PATH" times the Triton path of another kda_jax source tree (PATH holds
@@ -82,8 +84,8 @@ def implementation(impl: str, segment_chunks: int | None = None):
     if impl == "triton-noseg":
         return "triton", configs.override(configs.SegmentConfig())
     if impl == "triton-seq":
-        rule = dataclasses.replace(configs.segment_config(), min_programs=2**31 - 1,
-                                   backward_min_programs=2**31 - 1,
+        always = configs.SegmentRule(min_programs=2**31 - 1)
+        rule = dataclasses.replace(configs.segment_config(), forward=always, backward=always,
                                    segment_chunks=segment_chunks)
         return "triton", configs.override(rule)
     return impl, contextlib.nullcontext()
@@ -97,28 +99,43 @@ def _arch_configs(arch: str):
 
 
 def config_changes(changes: str) -> dict:
-    """``changes`` ("FIELD=VALUE+backward.FIELD=VALUE+segment.FIELD=VALUE"; a
-    value is an integer, True, False, None or a name such as a precision) as
-    {"forward": {field: value}, "backward": {...}, "segment": {...}}, each
-    field checked against its config class."""
-    from kda_jax import configs
-
-    kinds = dict(forward=configs.ForwardConfig, backward=configs.BackwardConfig,
-                 segment=configs.SegmentConfig)
-    fields = {owner: {} for owner in kinds}
+    """``changes`` ("PATH=VALUE+backward.PATH=VALUE+segment.PATH=VALUE"; a
+    path as :func:`kda_jax.configs.replace` takes it, a value an integer,
+    True, False, None or a name such as a precision) as {"forward": {path:
+    value}, "backward": {...}, "segment": {...}}."""
+    fields = {owner: {} for owner in _OWNERS}
     for change in changes.split("+"):
         name, _, text = change.partition("=")
-        owner, _, field = name.rpartition(".")
-        owner = owner or "forward"
-        kind = kinds.get(owner)
-        if kind is None or not text or field not in {f.name for f in dataclasses.fields(kind)}:
-            raise ValueError(f"{change!r}: not FIELD=VALUE for a field of ForwardConfig (or "
-                             "backward.FIELD=VALUE of BackwardConfig, segment.FIELD=VALUE of "
-                             "SegmentConfig)")
-        if field in fields[owner]:
+        owner, _, path = name.partition(".")
+        if owner not in _OWNERS:
+            owner, path = "forward", name
+        if not text or not path:
+            raise ValueError(f"{change!r}: not PATH=VALUE for a value of ForwardConfig (or "
+                             "backward.PATH=VALUE of BackwardConfig, segment.PATH=VALUE of "
+                             "SegmentConfig), e.g. prepare.16bit.warps=4")
+        if path in fields[owner]:
             raise ValueError(f"{change!r}: {name} is set twice in {changes!r}")
-        fields[owner][field] = _value_of(text)
+        fields[owner][path] = _value_of(text)
+    _check_paths(fields)
     return fields
+
+
+def _check_paths(fields: dict):
+    """Each change applied to the "default" arch's configs: a path or value
+    that no config takes raises here, naming it."""
+    from kda_jax import configs
+
+    base = dict(forward=configs.FORWARD["default"], backward=configs.BACKWARD["default"],
+                segment=configs.SEGMENTS["default"])
+    for owner, paths in fields.items():
+        for path, value in paths.items():
+            try:
+                configs.replace(base[owner], path, value)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{owner}.{path}={value!r}: {e}") from None
+
+
+_OWNERS = ("forward", "backward", "segment")
 
 
 def _changed_configs(changes: str):
@@ -127,10 +144,14 @@ def _changed_configs(changes: str):
     built here, so a bad change raises before anything runs."""
     from kda_jax import configs
 
-    current = dict(forward=configs.forward_config(), backward=configs.backward_config(),
+    changed = dict(forward=configs.forward_config(), backward=configs.backward_config(),
                    segment=configs.segment_config())
-    fields = config_changes(changes)
-    changed = {owner: dataclasses.replace(current[owner], **fields[owner]) for owner in current}
+    for owner, paths in config_changes(changes).items():
+        for path, value in paths.items():
+            try:
+                changed[owner] = configs.replace(changed[owner], path, value)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{owner}.{path}={value!r}: {e}") from None
     return _under(changed["forward"], changed["backward"], changed["segment"])
 
 

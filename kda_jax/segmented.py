@@ -114,8 +114,8 @@ def plan_call(backend: str, bounds, pool, opts: KdaOptions, hv: int) -> SegmentP
         return None
     per = segment_chunks(
         bounds, opts.chunk_size, hv=hv, programs_per_seq_head=1,
-        min_programs=cfg.min_programs, target_programs=cfg.target_programs,
-        min_segment_chunks=cfg.min_segment_chunks, min_segments=cfg.min_segments,
+        min_programs=cfg.forward.min_programs, target_programs=cfg.forward.target_programs,
+        min_segment_chunks=cfg.forward.min_segment_chunks, min_segments=cfg.min_segments,
         forced_segment_chunks=cfg.segment_chunks)
     return None if per is None else segment_plan(bounds, opts.chunk_size, per)
 

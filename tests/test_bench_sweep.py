@@ -228,26 +228,30 @@ def test_field_variant_changes_only_those_fields():
     forward, backward = configs.forward_config(), configs.backward_config()
     segment = configs.segment_config()
     name, under = sweep.implementation(
-        "triton:prepare_stages=2+prepare_dot=tf32+backward.wy_warps=2+segment.segment_chunks=8")
+        "triton:prepare.16bit.stages=2+prepare.*.dot=tf32+backward.wy.*.warps=2+"
+        "segment.segment_chunks=8")
     assert name == "triton"
     with under:
-        assert configs.forward_config() == dataclasses.replace(
-            forward, prepare_stages=2, prepare_dot="tf32")
-        assert configs.backward_config() == dataclasses.replace(backward, wy_warps=2)
+        assert configs.forward_config() == configs.replace(
+            forward, {"prepare.16bit.stages": 2, "prepare.*.dot": "tf32"})
+        assert configs.backward_config() == configs.replace(backward, "wy.*.warps", 2)
         assert configs.segment_config() == dataclasses.replace(segment, segment_chunks=8)
     assert configs.forward_config() == forward and configs.segment_config() == segment
     assert configs.backward_config() == backward
     with sweep.implementation("triton:segment.xla=True+segment.segment_chunks=None+"
-                              "segment.min_programs=-0")[1]:
-        assert configs.segment_config() == dataclasses.replace(
-            segment, xla=True, segment_chunks=None, min_programs=0)
+                              "segment.forward.min_programs=-0")[1]:
+        assert configs.segment_config() == configs.replace(
+            segment, {"xla": True, "segment_chunks": None, "forward.min_programs": 0})
     # Every bad name raises when the variant is named, before anything runs.
-    for bad, message in (("not_a_field=1", "not_a_field=1"), ("prepare_stages", "prepare_stages"),
-                         ("wy_warps=2", "wy_warps=2"), ("sideways.wy_warps=2", "sideways"),
-                         ("", "''"), ("prepare_stages=1++prepare_warps=4", "''"),
-                         ("prepare_stages=2+prepare_stages=3", "set twice"),
-                         ("prepare_stages=9", "prepare_stages=9"),
-                         ("prepare_stages=--1", "prepare_stages='--1'"),
+    for bad, message in (("not_a_field=1", "has no field 'not_a_field'"),
+                         ("prepare.16bit.stages", "not PATH=VALUE"),
+                         ("wy.bf16.warps=2", "has no field 'wy'"),
+                         ("sideways.wy_warps=2", "has no field 'sideways'"),
+                         ("", "''"), ("prepare.16bit.stages=1++prepare.16bit.warps=4", "''"),
+                         ("prepare.16bit.stages=2+prepare.16bit.stages=3", "set twice"),
+                         ("prepare.16bit.stages=9", "stages=9 must be one of"),
+                         ("prepare.fp64.stages=1", "no variant 'fp64'"),
+                         ("prepare.16bit.stages=--1", "stages='--1' must be an int"),
                          ("segment.xla=yes", "xla='yes'")):
         with pytest.raises(ValueError, match=message):
             sweep.implementation(f"triton:{bad}")
@@ -255,8 +259,9 @@ def test_field_variant_changes_only_those_fields():
 
 def test_a_bad_variant_fails_before_any_row_is_timed(tmp_path):
     timed = []
-    with pytest.raises(ValueError, match="prepare_stages=9"):
-        sweep.run(_args(tmp_path, "triton,triton:prepare_stages=9"), [], module="bench.forward",
+    with pytest.raises(ValueError, match="stages=9"):
+        sweep.run(_args(tmp_path, "triton,triton:prepare.16bit.stages=9"), [],
+                  module="bench.forward",
                   mode="forward",
                   runner=lambda impl, inputs, cu, gates: timed.append(impl) or (lambda: 1.0))
     assert timed == []

@@ -103,7 +103,6 @@ def test_variant_changes_the_sm90_configs(monkeypatch):
     """--variant: the child's prelude changes the named fields of its target's
     entries (sm90 here), forward and backward, at both chunk sizes, and nothing
     else."""
-    import dataclasses
     import os
 
     from kda_jax import configs
@@ -111,12 +110,12 @@ def test_variant_changes_the_sm90_configs(monkeypatch):
     saved = {id(t): dict(t) for t in (configs.FORWARD, configs.FORWARD_C32, configs.BACKWARD,
                                       configs.BACKWARD_C32)}
     before_fwd, before_bwd = configs.FORWARD["sm90"], configs.BACKWARD_C32["sm90"]
-    monkeypatch.setenv("KDA_COST_CHANGES", "prepare_block_k=32+backward.product_dot=tf32")
+    monkeypatch.setenv("KDA_COST_CHANGES", "prepare.*.block_k=32+backward.intra.bf16.dot=tf32")
     try:
         exec(cm._CHANGES, {"os": os, "target": "sm90"})
-        assert configs.FORWARD["sm90"] == dataclasses.replace(before_fwd, prepare_block_k=32)
-        assert configs.BACKWARD_C32["sm90"] == dataclasses.replace(before_bwd,
-                                                                   product_dot="tf32")
+        assert configs.FORWARD["sm90"] == configs.replace(before_fwd, "prepare.*.block_k", 32)
+        assert configs.BACKWARD_C32["sm90"] == configs.replace(before_bwd, "intra.bf16.dot",
+                                                               "tf32")
         assert configs.FORWARD["gfx950"] is saved[id(configs.FORWARD)]["gfx950"]
     finally:
         for table in (configs.FORWARD, configs.FORWARD_C32, configs.BACKWARD,

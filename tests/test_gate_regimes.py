@@ -238,19 +238,17 @@ def test_regimes_gradients_match_reference(regime, check_rel_rms):
 
 @pytest.mark.parametrize("kind", ["gate", "plain"])
 def test_split_passes_match_reference(kind, check_close, check_rel_rms):
-    """The prepare kernel with Aqk and Akk in a pass each (prepare_split, the
+    """The prepare kernel with Aqk and Akk in a pass each (PrepareConfig.split, the
     sm90 backward's recompute), in the forward (the in-kernel gate's
     log-decays carried between the passes in gc) and the backward: o, the
     final state and every gradient against the float32 reference, float32
     inputs, steep gates (two chunks, a partial K slice on a GPU)."""
-    import dataclasses
-
     from kda_jax import configs
 
     x, kw = _case(kind, jnp.dtype("float32"), GRAD_SHAPE)
     params = _params(x, kw)
-    fwd = dataclasses.replace(configs.forward_config(), prepare_split=True)
-    bwd = dataclasses.replace(configs.backward_config(), prepare_split=True)
+    fwd = configs.replace(configs.forward_config(), "prepare.16bit.split", True)
+    bwd = configs.replace(configs.backward_config(), "recompute.16bit.split", True)
     with configs.override(fwd, bwd):
         o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton")
         got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1)
@@ -262,27 +260,25 @@ def test_split_passes_match_reference(kind, check_close, check_rel_rms):
 
 
 def _batched_level1(chunk=64, split=False):
-    """configs.override with level 1 batched (prepare_batched_l1, batched_l1)
-    over 16-wide K slices (several per chunk), Aqk and Akk split into a pass
-    each or not: this arch's configs otherwise."""
-    import dataclasses
-
+    """configs.override with level 1 batched (PrepareConfig.batched_l1 and
+    IntraConfig.batched_l1) over 16-wide K slices (several per chunk), Aqk and
+    Akk split into a pass each or not: this arch's configs otherwise."""
     from kda_jax import configs
 
-    slices = dict(prepare_block_k=16, prepare_block_k_fp32=16, prepare_split=split,
-                  prepare_split_fp32=split)
+    prepare = {"*.batched_l1": True, "*.block_k": 16, "*.split": split}
     return configs.override(
-        dataclasses.replace(configs.forward_config(chunk_size=chunk), prepare_batched_l1=True,
-                            **slices),
-        dataclasses.replace(configs.backward_config(chunk_size=chunk), batched_l1=True,
-                            intra_block_k=16, **slices))
+        configs.replace(configs.forward_config(chunk_size=chunk),
+                        {"prepare." + k: v for k, v in prepare.items()}),
+        configs.replace(configs.backward_config(chunk_size=chunk),
+                        {"recompute." + k: v for k, v in prepare.items()}
+                        | {"intra.*.batched_l1": True, "intra.*.block_k": 16}))
 
 
 @pytest.mark.parametrize("kind,split,chunk", [("gate", False, 64), ("plain", False, 64),
                                               ("gate", True, 64), ("plain", True, 32)])
 def test_batched_level1_matches_reference(kind, split, chunk, check_close, check_rel_rms):
     """The two-level products with level 1 batched over 16-row diagonal
-    blocks (prepare_batched_l1 / batched_l1: the forward's prepare, the
+    blocks (batched_l1 of the forward's prepare, the
     backward's recompute and intra kernel), in one pass and in the split
     passes, over 16-wide K slices (several per chunk), at chunk 64 and 32:
     o, the final state and every gradient against the float32 reference,

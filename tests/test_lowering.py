@@ -36,7 +36,8 @@ TARGETS = {"gfx950": ("rocm", 64, 95, r"gfx950$"), "gfx1250": ("rocm", 32, 125, 
            "sm90": ("cuda", 32, 90, r"^sm_90a?$")}
 # Threads per launcher warp: jaxlib/gpu/vendor.h, kNumThreadsPerWarp (HIP 64, CUDA 32).
 LAUNCHER_LANES = {"rocm": 64, "cuda": 32}
-KERNELS = {"kda_fwd_prepare_kernel": "prepare_warps", "kda_fwd_state_output_kernel": "state_warps"}
+# kernel -> its ForwardConfig kernel (bf16 inputs: the "16bit" variant)
+KERNELS = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "state"}
 
 
 # --------------------------------------------------------------------------- #
@@ -180,7 +181,7 @@ def test_kernels_compiled_for_the_target(lowered, arch):
         assert re.search(built_for, call["target"]), f"{what}: built for {call['target']}"
         assert call["compute_capability"] == cc, what
         assert call["wave"] == lanes, f"{what}: wave {call['wave']}"
-        warps = getattr(config, KERNELS[call["kernel"]])
+        warps = getattr(config, KERNELS[call["kernel"]])["16bit"].warps
         assert call["threads"] == warps * lanes, f"{what}: built for {call['threads']} threads"
         launched = call["launcher_num_warps"] * LAUNCHER_LANES[platform]
         assert launched == call["threads"], (

@@ -150,9 +150,18 @@ def test_launcher_warps_wave64_vs_wave32():
 def test_gfx1250_configs_launch_whole_launcher_warps(table):
     # An odd warp count on a wave32 target cannot be launched by jaxlib's
     # 64-lane ROCm launcher (launcher_num_warps raises at lowering).
-    config = TABLES[table]["gfx1250"]
-    warps = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-             if "warps" in f.name and getattr(config, f.name) is not None}
+    from kda_jax import configs
+
+    flat = configs.as_dict(TABLES[table]["gfx1250"])
+
+    def leaves(value, path=""):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield from leaves(item, f"{path}.{key}")
+        else:
+            yield path, value
+
+    warps = {name: value for name, value in leaves(flat) if name.endswith(".warps")}
     assert warps
     for name, value in warps.items():
         assert value % 2 == 0, f"{table} gfx1250 {name}={value}"

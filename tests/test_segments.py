@@ -84,7 +84,7 @@ def test_rule_segments_the_issue_rows_and_not_the_sweep():
     least 64 chunks; in the backward (8 V blocks of 16) only the 4-head rows,
     in 128-chunk segments; no other row of the forward sweep (K = V = 128).
     The AMD targets and unknown devices ship it off."""
-    assert all(configs.SEGMENTS[a].min_programs == 0 for a in
+    assert all(configs.SEGMENTS[a].forward.min_programs == 0 for a in
                ("gfx950", "gfx942", "gfx1250", "default"))
     cfg = configs.SEGMENTS["sm90"]
 
@@ -92,8 +92,9 @@ def test_rule_segments_the_issue_rows_and_not_the_sweep():
         table = configs.BACKWARD if backward else configs.FORWARD
         tables = state_chain.chain_tables(
             SeqBounds.from_lengths([t] * b), cfg, chunk_size=64, hv=h, kd=128, vd=128,
-            block_v=table["sm90"].state_block_v, split_k=False, backward=backward,
-            segment_block_v=None if backward else cfg.state_block_v)
+            block_v=table["sm90"].state["16bit"].block_v, split_k=False, backward=backward,
+            segment_block_v=None if backward else
+            configs.FORWARD["sm90"].segment_state["16bit"].block_v)
         return None if tables is None else (tables.plan.segments.lengths // 64).tolist()
 
     for b, t, h in DENSE_SWEEP:
@@ -220,10 +221,10 @@ def test_segmented_equals_reference_and_unsegmented(impl, check_close, check_rel
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
 def test_triton_segmented_pass_with_its_own_v_block(check_close):
-    """SegmentConfig.state_block_v: with 16-bit inputs, the state-output pass
-    over segments in 16-wide V blocks where the one pass takes 32 (two
-    programs per segment and head; the map follows it); the same outputs and
-    final states as the reference."""
+    """ForwardConfig.segment_state: the state-output pass over segments in
+    16-wide V blocks where the one pass takes 32 (two programs per segment
+    and head; the map too); the same outputs and final states as the
+    reference."""
     x = make_inputs(4, B=1, T=150, H=1, HV=2, K=16, V=32, N=2, dtype=jnp.bfloat16)
     cu = [0, 90, 150]
     ro, rf = kda_jax.naive_recurrent_kda(*(np.asarray(a, np.float32) for a in x.args()),
@@ -231,10 +232,11 @@ def test_triton_segmented_pass_with_its_own_v_block(check_close):
                                         output_final_state=True, cu_seqlens=cu)
     seen = []
     real = state_chain.segment_maps
-    cfg = dataclasses.replace(FORCED, state_block_v=16, state_warps=2)
-    forward = dataclasses.replace(configs.forward_config(), state_block_v=32,
-                                  state_block_v_fp32=32)
-    with configs.override(forward, cfg), pytest.MonkeyPatch.context() as mp:
+    forward = configs.forward_config()
+    for path, value in (("state.*.block_v", 32), ("segment_state.*.block_v", 16),
+                        ("segment_state.*.warps", 2), ("map.*.block_v", 16)):
+        forward = configs.replace(forward, path, value)
+    with configs.override(forward, FORCED), pytest.MonkeyPatch.context() as mp:
         mp.setattr(state_chain, "segment_maps", lambda *a, **kw: seen.append(a[0]) or real(*a, **kw))
         o, f = kda_jax.chunk_kda(*x.args(), chunk_size=32, implementation="triton",
                                  initial_state=x.initial_state, output_final_state=True,
@@ -245,38 +247,44 @@ def test_triton_segmented_pass_with_its_own_v_block(check_close):
 
 
 def test_segmented_pass_v_block_only_for_whole_16_bit_blocks():
-    """The segmented pass takes SegmentConfig.state_block_v / state_warps
-    with 16-bit inputs and V a multiple of the block; float32 inputs and
-    masked V columns keep the forward config's (they spilled at 64 on
-    sm90), and the backward's map keeps its state pass's launch."""
+    """The segmented pass takes ForwardConfig.segment_state where V is a
+    multiple of its V block (masked V columns keep the one pass's: they
+    spilled at 64 on sm90), the map its own config, and the backward's map
+    its state pass's launch."""
     from kda_jax.options import KdaOptions
     from kda_jax.triton.forward import segmented_launches
 
-    seg = configs.SegmentConfig(state_block_v=64, state_warps=2, map_block_v=64, map_stages=2)
     fwd = configs.FORWARD["sm90"]
+    for path, value in (("segment_state.*.block_v", 64), ("segment_state.*.warps", 2),
+                        ("map.*.block_v", 64), ("map.*.stages", 2)):
+        fwd = configs.replace(fwd, path, value)
 
-    def launch(dtype, vd):
+    def launch(work, vd):
         state, chain = segmented_launches(
-            h=4, hv=4, kd=128, vd=vd, opts=KdaOptions(scale=0.1), config=fwd,
-            work=jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32, segments=seg,
-            has_initial_state=False, input_dtype=dtype)
+            h=4, hv=4, kd=128, vd=vd, opts=KdaOptions(scale=0.1), config=fwd, work=work,
+            has_initial_state=False)
         return (state.constexprs["BV"], state.num_warps, chain.map.constexprs["BV"],
                 chain.map.num_stages)
 
     assert launch(jnp.bfloat16, 128) == (64, 2, 64, 2)
-    assert launch(jnp.bfloat16, 96) == (fwd.state_block_v, fwd.state_warps, 64, 2)
-    assert launch(jnp.float32, 128) == (fwd.state_block_v_fp32, fwd.state_warps_fp32, 64, 2)
-    from kda_jax.triton.launch import KernelLaunch
-    bwd_state = KernelLaunch("kda_bwd_state_kernel",
-                             dict(HV=4, K=128, V=128, BT=64, BV=16, DOT="ieee"), 4, 3)
-    bwd_map = state_chain.chain_launches(bwd_state, seg, use_h0=False, backward=True).map
-    assert (bwd_map.constexprs["BV"], bwd_map.num_warps, bwd_map.num_stages) == (16, 4, 3)
+    assert launch(jnp.bfloat16, 96) == (fwd.state["16bit"].block_v, fwd.state["16bit"].warps,
+                                        64, 2)
+    assert launch(jnp.float32, 128) == (64, 2, 64, 2)
+    from kda_jax.triton.backward import segmented_backward_launches
+    bwd = configs.BACKWARD["sm90"]
+    L = segmented_backward_launches(h=4, hv=4, kd=128, vd=128, opts=KdaOptions(scale=0.1),
+                                    config=bwd, work=jnp.bfloat16, has_initial_state=False,
+                                    has_final_grad=False)
+    bwd_map, bwd_state = L["chain"].map, L["state"]
+    assert (bwd_map.constexprs["BV"], bwd_map.num_warps, bwd_map.num_stages) == (
+        bwd_state.constexprs["BV"], bwd_state.num_warps, bwd_state.num_stages)
+    assert bwd_map.constexprs["DOT"] == bwd_state.constexprs["DOT"]
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason="Triton path unavailable")
 @pytest.mark.parametrize("kd,block_j", [(32, 16), (24, None), (24, 16)])
 def test_triton_fold_whole_or_sliced(kd, block_j, check_close, check_rel_rms):
-    """The fold kernel reads each map whole (fold_block_j None) or in 16-column
+    """The fold kernel reads each map whole (FoldConfig.block_j >= K) or in 16-column
     slices, forward and reverse (the gradient), at K = 32 and at a masked
     K = 24: outputs, final states and gradients against the reference."""
     x = make_inputs(5, B=1, T=140, H=1, HV=2, K=kd, V=16, N=2)
@@ -288,7 +296,9 @@ def test_triton_fold_whole_or_sliced(kd, block_j, check_close, check_rel_rms):
     rng = np.random.default_rng(8)
     launches = []
     real = state_chain.fold_states
-    with configs.override(dataclasses.replace(FORCED, fold_block_j=block_j)), \
+    fold = configs.FoldConfig(block_j=block_j or 128, warps=4, dot="ieee")
+    with configs.override(FORCED, dataclasses.replace(configs.forward_config(), fold=fold),
+                          dataclasses.replace(configs.backward_config(), fold=fold)), \
             pytest.MonkeyPatch.context() as mp:
         mp.setattr(state_chain, "fold_states",
                    lambda launch, *a, **kw: launches.append(launch) or real(launch, *a, **kw))
@@ -426,8 +436,9 @@ def test_rule_picks_segments_automatically():
     tables = lambda cfg, backward=False, split_k=False, kd=16, seg_bv=None: (
         state_chain.chain_tables(bounds, cfg, chunk_size=32, hv=1, kd=kd, vd=16, block_v=16,
                                  split_k=split_k, backward=backward, segment_block_v=seg_bv))
-    rule = configs.SegmentConfig(min_programs=1000, target_programs=4, min_segment_chunks=2,
-                                 backward_min_programs=1)
+    rule = configs.SegmentConfig(
+        forward=configs.SegmentRule(min_programs=1000, target_programs=4, min_segment_chunks=2),
+        backward=configs.SegmentRule(min_programs=1, target_programs=4, min_segment_chunks=2))
     # 10 chunks, target 4 segments: at least 3 chunks each -> 4, 3, 3.
     assert tables(rule).plan.segments.lengths.tolist() == [128, 96, 76]
     assert tables(dataclasses.replace(rule, min_segments=4)) is None  # 3 segments < 4
@@ -435,7 +446,7 @@ def test_rule_picks_segments_automatically():
     assert tables(rule, seg_bv=8).plan.segments.lengths.tolist() == [160, 140]
     assert tables(rule, backward=True) is None  # 1 program is not under 1
     assert tables(rule, split_k=True) is None and tables(rule, kd=256) is None
-    assert tables(dataclasses.replace(rule, min_programs=1)) is None
+    assert tables(configs.replace(rule, "forward.min_programs", 1)) is None
     assert state_chain.chain_tables(kda_jax.VarlenBatch.from_lengths(
         [300], kda_jax.Bucket(1, 512)), rule, chunk_size=32, hv=1, kd=16, vd=16, block_v=16,
         split_k=False) is None  # a bucketed batch: device bounds, one pass
@@ -450,50 +461,38 @@ def test_rule_picks_segments_automatically():
     assert plan() is None  # the CPU's default config: no segments
 
 
-def test_segment_config_checks():
-    with pytest.raises(ValueError, match="segment_chunks"):
-        configs.SegmentConfig(segment_chunks=0)
-    with pytest.raises(ValueError, match="min_programs"):
-        configs.SegmentConfig(min_programs=-1)
-    for name, bad in (("map_block_v", 48), ("map_warps", 3), ("map_stages", 0),
-                      ("map_stages", True), ("state_block_v", 8), ("fold_block_j", 24),
-                      ("fold_warps", None), ("backward_target_programs", -1),
-                      ("backward_min_segment_chunks", 0)):
-        with pytest.raises(ValueError, match=name):
-            configs.SegmentConfig(**{name: bad})
-
-
-def test_map_launch_follows_the_state_pass_unless_set():
-    """The map kernel's launch takes the state pass's V block, warps and
-    stages, each replaced by the SegmentConfig field that sets it."""
+def test_map_and_fold_launches_take_their_configs():
+    """The map kernel runs over the state pass's chunks at its own config; the
+    fold reads whole maps (BJ = BK) where block_j reaches K, in slices
+    otherwise, at its warps, both directions."""
     from kda_jax.triton.launch import KernelLaunch
 
     state = KernelLaunch("kda_fwd_state_output_kernel",
                          dict(HV=4, K=128, V=128, BT=64, BV=32, DOT="ieee"), 4, 3)
-    plain = state_chain.chain_launches(state, configs.SegmentConfig(), use_h0=False).map
-    assert (plain.constexprs["BV"], plain.num_warps, plain.num_stages) == (32, 4, 3)
-    cfg = configs.SegmentConfig(map_block_v=64, map_warps=8, map_stages=2, fold_block_j=None,
-                                fold_warps=2)
-    chain = state_chain.chain_launches(state, cfg, use_h0=False)
-    assert (chain.map.constexprs["BV"], chain.map.num_warps, chain.map.num_stages) == (64, 8, 2)
-    # The fold: whole maps (BJ = BK) at fold_warps, both directions; slices by default.
+    map_config = configs.StateConfig(block_v=64, warps=8, stages=2, dot="tf32x3")
+    whole = configs.FoldConfig(block_j=128, warps=2, dot="ieee")
+    chain = state_chain.chain_launches(state, map_config, whole, use_h0=False)
+    assert (chain.map.constexprs["BV"], chain.map.num_warps, chain.map.num_stages,
+            chain.map.constexprs["DOT"]) == (64, 8, 2, "tf32x3")
     for fold in (chain.fold, chain.fold_reverse):
         assert (fold.constexprs["BJ"], fold.constexprs["BK"], fold.num_warps) == (128, 128, 2)
-    plain_fold = state_chain.chain_launches(state, configs.SegmentConfig(), use_h0=False).fold
-    assert (plain_fold.constexprs["BJ"], plain_fold.num_warps) == (16, 4)
+    sliced = state_chain.chain_launches(
+        state, map_config, configs.FoldConfig(block_j=16, warps=4, dot="ieee"), use_h0=False)
+    assert (sliced.fold.constexprs["BJ"], sliced.fold.num_warps) == (16, 4)
 
 
-def test_backward_rule_fields_fall_back_to_the_forward():
-    """backward_target_programs / backward_min_segment_chunks apply to the
-    backward where set, and the forward's values where None."""
+def test_each_direction_takes_its_own_rule():
+    """SegmentConfig.forward applies to the forward's state pass,
+    SegmentConfig.backward to the backward's."""
     bounds = SeqBounds([0, 64 * 64])  # 64 chunks of 64
     lengths = lambda cfg, backward: (state_chain.chain_tables(
         bounds, cfg, chunk_size=64, hv=1, kd=16, vd=16, block_v=16, split_k=False,
         backward=backward).plan.segments.lengths // 64).tolist()
-    rule = configs.SegmentConfig(min_programs=8, backward_min_programs=8, target_programs=8,
-                                 min_segment_chunks=4)
+    same = configs.SegmentRule(min_programs=8, target_programs=8, min_segment_chunks=4)
+    rule = configs.SegmentConfig(forward=same, backward=same)
     assert lengths(rule, False) == [8] * 8 and lengths(rule, True) == [8] * 8
-    own = dataclasses.replace(rule, backward_target_programs=4, backward_min_segment_chunks=16)
+    own = dataclasses.replace(rule, backward=configs.SegmentRule(
+        min_programs=8, target_programs=4, min_segment_chunks=16))
     assert lengths(own, False) == [8] * 8
     assert lengths(own, True) == [16] * 4
 

@@ -170,8 +170,7 @@ def test_gate_grads_meet_fp32_bar_with_fp32_grade_products(name, check_rel_rms):
     x = make_inputs(17, **make_kw)
     w_o, w_f = _weights(x, call_kw)
     mode = "tf32x3" if ON_GPU else "ieee"
-    precise = dataclasses.replace(configs.backward_config(chunk_size=chunk),
-                                  product_dot=mode, product_dot_fp32=mode)
+    precise = configs.replace(configs.backward_config(chunk_size=chunk), "intra.*.dot", mode)
     with configs.override(precise):
         ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
     failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
@@ -180,12 +179,12 @@ def test_gate_grads_meet_fp32_bar_with_fp32_grade_products(name, check_rel_rms):
 
 @pytest.mark.parametrize("name", ["split-K100-vfirst-c64", "split-K128-c32"])
 def test_reverse_state_pass_in_one_tile_matches_reference(name, check_rel_rms):
-    """BackwardConfig.dstate_split_k=False: the reverse state pass keeps dS in
+    """BackwardConfig.dstate's split_k=False: the reverse state pass keeps dS in
     one tile while the forward state pass is split (sm90's chunk-32 choice)."""
     make_kw, call_kw, chunk, wrt = CASES[name]
     x = make_inputs(17, **make_kw)
     w_o, w_f = _weights(x, call_kw)
-    whole = dataclasses.replace(configs.backward_config(chunk_size=chunk), dstate_split_k=False)
+    whole = configs.replace(configs.backward_config(chunk_size=chunk), "dstate.*.split_k", False)
     with configs.override(whole):
         ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
     failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
@@ -202,8 +201,8 @@ def test_intra_k_blocks_match_reference(gate_floor, check_rel_rms):
     call_kw = dict(cu_seqlens=np.array([0, 7, 7, 75]))
     w_o, w_f = _weights(x, call_kw, seed=5)
     mode = "tf32x3" if ON_GPU else "ieee"
-    looped = dataclasses.replace(configs.backward_config(chunk_size=32), intra_block_k=32,
-                                 product_dot=mode, product_dot_fp32=mode)
+    looped = configs.replace(configs.backward_config(chunk_size=32),
+                             {"intra.*.block_k": 32, "intra.*.dot": mode})
     with configs.override(looped):
         ref, got, params = _grads(x, call_kw, 32, ALL, w_o, w_f)
     tol = TOL if gate_floor is None else TOLERANCES["float32-extreme-gates"]["rel_rms"]

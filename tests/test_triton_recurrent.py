@@ -147,7 +147,9 @@ def test_all_sequences_empty():
 def test_config_override_and_small_v_blocks(check_close):
     """Several V blocks per head (block_v 8 < V) give the same answer."""
     x = testing.make_inputs(8, T=5, H=1, HV=2, K=24, V=40)
-    with configs.override(configs.RecurrentConfig(block_v=8, warps=1, stages=1)):
+    small = configs.DecodeConfig(block_v=8, warps=1, stages=1)
+    with configs.override(configs.RecurrentConfig(decode=dict.fromkeys(("dense", "varlen", "wide"),
+                                                                       small))):
         o, s = _run(x, {}, kda_jax.fused_recurrent_kda, implementation="triton")
     ro, rs = _run(x, {}, reference.naive_recurrent_kda)
     check_close(o, ro, "float32", "o")
@@ -166,7 +168,8 @@ def test_single_token_decode_with_loaded_bounds(form, check_close):
     bounds = cu
     if form == "bucket":
         bounds = kda_jax.VarlenBatch.from_lengths(lens, kda_jax.Bucket(5, 3, max_len=1))
-    cfg = configs.RecurrentConfig(block_v=16, block_v_bounds=16)
+    cfg = configs.replace(configs.recurrent_config(), {"decode.dense.block_v": 16,
+                                                       "decode.varlen.block_v": 16})
     with configs.override(cfg):
         o, s = kda_jax.fused_recurrent_kda(*x.args(), initial_state=x.initial_state,
                                            output_final_state=True, cu_seqlens=bounds,
@@ -183,9 +186,9 @@ def test_recurrent_config_table():
     with pytest.raises(ValueError, match=r"arch='gfx9000' has no RecurrentConfig"):
         configs.recurrent_config("gfx9000")
     with pytest.raises(ValueError, match=r"block_v=12 must be a power of two >= 8"):
-        configs.RecurrentConfig(block_v=12)
+        configs.replace(configs.RECURRENT["sm90"], "decode.varlen.block_v", 12)
     with pytest.raises(ValueError, match=r"warps=3 must be one of"):
-        configs.RecurrentConfig(warps=3)
+        configs.replace(configs.RECURRENT["sm90"], "decode.*.warps", 3)
 
 
 def test_triton_unavailable_raises_with_the_reason(monkeypatch):
@@ -268,7 +271,9 @@ def test_too_many_sequences_for_the_grid_is_named():
 # (one V block: the block is the whole row; five blocks of 8 over V = 40: each
 # program must see the other blocks' columns of v)
 V_BLOCKS = [pytest.param(24, None, id="one-v-block"),
-            pytest.param(40, configs.RecurrentConfig(block_v=8, block_v_bounds=8),
+            pytest.param(40, configs.replace(configs.RECURRENT["default"],
+                                             {"decode.dense.block_v": 8,
+                                              "decode.varlen.block_v": 8}),
                          id="five-v-blocks")]
 
 
@@ -336,7 +341,8 @@ def test_poisoned_sequence_writes_nan_to_its_pool_row(form, check_close):
         kw = dict(cu_seqlens=cu)
     rng = np.random.default_rng(3)
     pool = (0.5 * rng.standard_normal((slots, 2, 16, 40))).astype(np.float32)
-    with configs.override(configs.RecurrentConfig(block_v=8, block_v_bounds=8)):
+    with configs.override(configs.replace(configs.RECURRENT["default"],
+                                          {"decode.dense.block_v": 8, "decode.varlen.block_v": 8})):
         o, new = kda_jax.fused_recurrent_kda(*x.args(), state_cache=pool, state_indices=idx,
                                              implementation="triton", **kw)
     ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=pool[idx],

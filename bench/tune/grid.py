@@ -5,7 +5,6 @@ compile is a record too (with its error), not the end of the run."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Callable
@@ -15,16 +14,19 @@ from bench import meta as run_meta
 
 def run_grid(base, changes, measure: Callable, shape) -> list[dict]:
     """Records of ``measure(config) -> (ms, {error name: value})`` for each
-    config ``dataclasses.replace(base, **change)``; prints each as it lands."""
+    config ``kda_jax.configs.replace(base, change)`` (a change: {path:
+    value}); prints each as it lands."""
+    from kda_jax import configs
+
     records = []
     for change in changes:
-        cfg = dataclasses.replace(base, **change)
+        cfg = configs.replace(base, change)
         try:
             ms, acc = measure(cfg)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
             print(f"{change}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
             ms, acc = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        records.append({"config": dataclasses.asdict(cfg), "change": change,
+        records.append({"config": configs.as_dict(cfg), "change": change,
                         "shape": list(shape), "ms": ms, **acc})
         print(json.dumps({"change": change, "ms": ms, **acc}), flush=True)
     return records

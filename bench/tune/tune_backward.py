@@ -29,27 +29,30 @@ GRIDS = {
     # Around the shipped sm90 config (each entry changes it).
     "backward": [
         {},
-        dict(prepare_block_k=32),
-        dict(prepare_wu_dot="bf16"),
-        dict(product_dot="tf32"),
-        dict(intra_block_k=32),
-        dict(intra_warps=4),
-        dict(wy_block_k=32, wy_block_v=32),
-        dict(wy_warps=4),
+        {"recompute.16bit.block_k": 32},
+        {"recompute.16bit.wu_dot": "bf16"},
+        {"intra.bf16.dot": "tf32"},
+        {"intra.*.block_k": 32},
+        {"intra.*.warps": 4},
+        {"wy.bf16.block_k": 32, "wy.fp16.block_k": 32, "wy.*.block_v": 32},
+        {"wy.*.warps": 4},
     ],
     "shipped": [{}],
     # The recompute (the forward's prepare kernel storing X^T).
-    "recompute": [{}, dict(prepare_block_k=32), dict(prepare_block_k=32, inverse_dot="tf32"),
-                  dict(inverse_dot="tf32")],
-    "intra": [{}, dict(intra_block_k=32, intra_warps=8)],
+    "recompute": [{}, {"recompute.16bit.block_k": 32},
+                  {"recompute.16bit.block_k": 32, "recompute.16bit.inverse_dot": "tf32"},
+                  {"recompute.16bit.inverse_dot": "tf32"}],
+    "intra": [{}, {"intra.*.block_k": 32, "intra.*.warps": 8}],
     # The recompute's precisions: sm90's (the forward's, since f830c56) against
     # split-bf16 Akk/Aqk and merge with tf32x3 w/u, at the shipped launch and at
     # the launch of before (4 warps, one stage, Aqk and Akk in a pass each).
     "recompute_precision": [
         {},
-        dict(prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3"),
-        dict(prepare_dot="bf16x3", prepare_wu_dot="tf32x3", inverse_dot="bf16x3",
-             prepare_warps=4, prepare_stages=1, prepare_split=True),
+        {"recompute.16bit.dot": "bf16x3", "recompute.16bit.wu_dot": "tf32x3",
+         "recompute.16bit.inverse_dot": "bf16x3"},
+        {"recompute.16bit.dot": "bf16x3", "recompute.16bit.wu_dot": "tf32x3",
+         "recompute.16bit.inverse_dot": "bf16x3", "recompute.16bit.warps": 4,
+         "recompute.16bit.stages": 1, "recompute.16bit.split": True},
     ],
     # The products' backward (intra kernel) and the wy kernel's dots with X^T
     # for 16-bit intermediates: sm90's (tf32, X^T rounded to bf16 for bfloat16
@@ -57,17 +60,17 @@ GRIDS = {
     # both (the config before), and float16 ones at bfloat16's choice.
     "product_precision": [
         {},
-        dict(product_dot="bf16", product_dot_fp16="bf16", wy_dot_fp16="bf16"),
-        dict(product_dot="bf16x3", wy_dot="bf16x3"),
-        dict(product_dot_fp16="tf32", wy_dot_fp16="bf16"),
+        {"intra.bf16.dot": "bf16", "intra.fp16.dot": "bf16", "wy.fp16.dot": "bf16"},
+        {"intra.bf16.dot": "bf16x3", "wy.bf16.dot": "bf16x3"},
+        {"intra.fp16.dot": "tf32", "wy.fp16.dot": "bf16"},
     ],
     # The two state passes' stages and V block (at 2 stages the reverse pass's
     # pipelined tiles take 124 KiB of shared memory on sm90: one program per SM).
     "state_passes": [
-        dict(dstate_stages=2),
-        dict(dstate_stages=1),
-        dict(dstate_stages=1, state_stages=1),
-        dict(dstate_stages=1, state_block_v=32),
+        {"dstate.16bit.stages": 2},
+        {"dstate.16bit.stages": 1},
+        {"dstate.16bit.stages": 1, "state.16bit.stages": 1},
+        {"dstate.16bit.stages": 1, "state.16bit.block_v": 32, "dstate.16bit.block_v": 32},
     ],
 }
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")

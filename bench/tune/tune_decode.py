@@ -16,7 +16,6 @@ and the final state at the first batch size.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
@@ -32,20 +31,26 @@ from bench.timing import time_jax
 from bench.tune.grid import write_records
 from kda_jax import configs, reference, testing
 
-# Around the shipped sm90 config: the V block of both forms (dense: block_v;
-# the pools, which load bounds: block_v_bounds), fewer and larger programs or
+# Around the shipped sm90 config: the V block of both forms (the dense and the
+# varlen variant: the pools load bounds), fewer and larger programs or
 # more and smaller ones for the memory-bound state read and write, and the
 # warps per program.
-GRID = [dict(block_v=bv, block_v_bounds=bv, warps=w) for bv in (32, 64, 128) for w in (2, 4, 8)]
+def _change(bv: int, warps: int) -> dict:
+    """The dense and varlen variants at V block ``bv`` and ``warps``."""
+    return {f"decode.{form}.{name}": value for form in ("dense", "varlen")
+            for name, value in (("block_v", bv), ("warps", warps))}
+
+
+GRID = [_change(bv, w) for bv in (32, 64, 128) for w in (2, 4, 8)]
 
 
 def _config_of(text: str) -> dict:
-    """'64x4' -> block_v and block_v_bounds 64, 4 warps."""
+    """'64x4' -> the dense and varlen variants at V block 64, 4 warps."""
     parts = text.split("x")
     if len(parts) != 2 or not all(x.isdigit() for x in parts):
         raise ValueError(f"config {text!r} must be BLOCK_VxWARPS, e.g. 32x4")
     bv, warps = (int(x) for x in parts)
-    return dict(block_v=bv, block_v_bounds=bv, warps=warps)
+    return _change(bv, warps)
 
 
 def decode_inputs(n: int, h: int, d: int):
@@ -75,8 +80,8 @@ def main(argv=None):
     ro, rs = reference.naive_recurrent_kda(*x0, initial_state=h00, output_final_state=True)
     records = []
     for change in [{}] + grid:
-        cfg = dataclasses.replace(base, **change)
-        rec = {"config": dataclasses.asdict(cfg), "shipped": not change}
+        cfg = configs.replace(base, change)
+        rec = {"config": configs.as_dict(cfg), "shipped": not change}
         try:
             with configs.override(cfg):
                 step = jax.jit(lambda h0, *a: kda_jax.fused_recurrent_kda(
@@ -106,7 +111,8 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         records.append(rec)
-        print(json.dumps({k: v for k, v in rec.items() if k != "config"} | change), flush=True)
+        print(json.dumps({k: v for k, v in rec.items() if k != "config"} | {"change": change}),
+              flush=True)
     for rec in records:
         rec.update(heads=args.heads, head_dim=args.head_dim)
     write_records(args.json, "bench.tune.tune_decode", argv, records)

@@ -30,20 +30,20 @@ GRIDS = {
     # and stages.
     "prepare": [
         {},
-        dict(inverse_dot="tf32"),
-        dict(prepare_block_k=64),
-        dict(prepare_block_k=64, inverse_dot="tf32"),
-        dict(state_block_v=16),
-        dict(state_stages=3),
+        {"prepare.16bit.inverse_dot": "tf32"},
+        {"prepare.16bit.block_k": 64},
+        {"prepare.16bit.block_k": 64, "prepare.16bit.inverse_dot": "tf32"},
+        {"state.16bit.block_v": 16},
+        {"state.16bit.stages": 3},
     ],
     # The prepare kernel's software pipelining (its K-slice loops' loads staged
     # ahead by Triton's pipeliner) and slice width.
     "stages": [
-        dict(prepare_stages=1),
-        dict(prepare_stages=2),
-        dict(prepare_stages=3),
-        dict(prepare_block_k=64, prepare_stages=1),
-        dict(prepare_block_k=64, prepare_stages=2),
+        {"prepare.16bit.stages": 1},
+        {"prepare.16bit.stages": 2},
+        {"prepare.16bit.stages": 3},
+        {"prepare.16bit.block_k": 64, "prepare.16bit.stages": 1},
+        {"prepare.16bit.block_k": 64, "prepare.16bit.stages": 2},
     ],
     "shipped": [{}],
 }

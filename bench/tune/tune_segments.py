@@ -33,17 +33,17 @@ SHAPES = "1,65536,4;1,131072,4;1,32768,8;1,65536,12"
 CONFIGS = "32,64,128,64x64x4,128x64x8"
 
 
-def _config_of(text: str) -> configs.SegmentConfig:
-    """'128' -> 128-chunk segments; '128x64x8' -> also the map kernel at 64 columns, 8 warps;
-    every other field the device's config."""
+def _configs_of(text: str) -> tuple:
+    """'128' -> 128-chunk segments; '128x64x8' -> also the map kernel at 64 columns, 8 warps
+    (every variant); every other value the device's configs. (SegmentConfig, ForwardConfig)."""
     parts = text.split("x")
     if len(parts) not in (1, 3) or not all(x.isdigit() for x in parts):
         raise ValueError(f"config {text!r} must be CHUNKS or CHUNKSxMAP_BLOCK_VxMAP_WARPS")
     values = [int(x) for x in parts]
-    fields = dict(segment_chunks=values[0])
+    forward = configs.forward_config()
     if len(values) == 3:
-        fields.update(map_block_v=values[1], map_warps=values[2])
-    return dataclasses.replace(configs.segment_config(), **fields)
+        forward = configs.replace(forward, {"map.*.block_v": values[1], "map.*.warps": values[2]})
+    return dataclasses.replace(configs.segment_config(), segment_chunks=values[0]), forward
 
 
 def main(argv=None):
@@ -63,9 +63,10 @@ def main(argv=None):
         do = jnp.asarray(np.random.default_rng(1).standard_normal((b, t, h, d)), jnp.bfloat16)
         one_pass = None
         for text in ["none"] + args.configs.split(","):
-            cfg = configs.SegmentConfig() if text == "none" else _config_of(text)
+            chosen = ((configs.SegmentConfig(), configs.forward_config()) if text == "none"
+                      else _configs_of(text))
             rec = {"shape": [b, t, h], "config": text}
-            with configs.override(cfg):
+            with configs.override(*chosen):
                 fwd = jax.jit(lambda *a: kda_jax.chunk_kda(*a, implementation="triton")[0])
                 o = fwd(*x)
                 rec["forward_ms"] = time_jax(fwd, *x)

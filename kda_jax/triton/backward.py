@@ -34,9 +34,9 @@ import numpy as np
 
 from kda_jax import configs, transforms
 from kda_jax.bounds import SeqBounds, chunk_table, next_pow2, packed_metadata
-from kda_jax.configs import BackwardConfig, ForwardConfig
+from kda_jax.configs import BackwardConfig, ForwardConfig, StateConfig, variant_key
 from kda_jax.options import KdaOptions
-from kda_jax.triton.forward import chunk_kda_triton, forward_launches, split_state_k, work_dtype
+from kda_jax.triton.forward import chunk_kda_triton, prepare_launch, split_state_k, work_dtype
 from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, PACKED, ROWS, STATE, foldable
 from kda_jax.triton.launch import (KernelLaunch, dot_precision, interpret_mode, launch_kernel,
                                    stand_in)
@@ -56,21 +56,9 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     plain = dataclasses.replace(
         opts, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, lower_bound=None,
         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False)
-    sixteen_bit = jnp.dtype(work).itemsize == 2
-    fwd = ForwardConfig(
-        prepare_block_k=config.prepare_block_k,
-        prepare_warps=config.prepare_warps if sixteen_bit else config.prepare_warps_fp32,
-        prepare_stages=config.prepare_stages if sixteen_bit else config.prepare_stages_fp32,
-        prepare_split=config.prepare_split,
-        prepare_split_fp32=config.prepare_split_fp32,
-        prepare_batched_l1=config.batched_l1,
-        prepare_dot=config.prepare_dot,
-        prepare_wu_dot=config.prepare_wu_dot, inverse_dot=config.inverse_dot,
-        fp32_dot=config.prepare_dot_fp32, prepare_block_k_fp32=config.prepare_block_k_fp32)
-    prepare, _ = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=plain, config=fwd, work=work,
-                                  has_a_log=False, has_dt_bias=False,
-                                  has_initial_state=False, store_x=True)
-    return prepare
+    prepare = config.recompute[variant_key(config.recompute, jnp.dtype(work).name, kd)]
+    return prepare_launch(prepare, h=h, hv=hv, kd=kd, vd=vd, opts=plain, has_a_log=False,
+                          has_dt_bias=False, store_x=True)
 
 
 def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, kd: int, *,
@@ -85,17 +73,14 @@ def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, k
     return work_dtype(input_dtype, interpret=interpret)
 
 
-def state_block_v(config: BackwardConfig, work, kd: int, vd: int) -> int:
-    """The state passes' V block cap: ``config.state_block_v`` with 16-bit
-    intermediates, ``config.state_block_v_fp32`` with float32 ones, but no wider
-    than 16 where K or V is not a power of two (the masked columns' registers:
-    on sm90 float32 passes over 32-wide blocks spill 76-84 bytes at K = 100,
-    V = 60, none at 16)."""
-    if jnp.dtype(work).itemsize == 2:
-        return config.state_block_v
-    if kd != next_pow2(kd) or vd != next_pow2(vd):
-        return min(config.state_block_v_fp32, 16)
-    return config.state_block_v_fp32
+def state_block_v(sc: StateConfig, work, kd: int, vd: int) -> int:
+    """The state passes' V block cap: ``sc.block_v``, but with float32
+    intermediates no wider than 16 where K or V is not a power of two (the
+    masked columns' registers: on sm90 float32 passes over 32-wide blocks
+    spill 76-84 bytes at K = 100, V = 60, none at 16)."""
+    if jnp.dtype(work).itemsize != 2 and (kd != next_pow2(kd) or vd != next_pow2(vd)):
+        return min(sc.block_v, 16)
+    return sc.block_v
 
 
 def _block(n: int, cap: int) -> int:
@@ -112,57 +97,39 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     :func:`core_backward` launches with them, :mod:`bench.aot` compiles
     with them."""
     bt = opts.chunk_size
-    sixteen_bit = jnp.dtype(work).itemsize == 2
+    name = jnp.dtype(work).name
+    sc, dc, ic, wc, ac = (c[variant_key(c, name, kd)] for c in (
+        config.state, config.dstate, config.inter, config.wy, config.intra))
     bk_state = next_pow2(max(kd, 16))
-    bv_state = min(next_pow2(max(vd, 16)), state_block_v(config, work, kd, vd))
-    # Past K = 128 the pipelined [BT, K] tiles outgrow shared memory (as forward).
-    if bk_state > 128:
-        state_warps, state_stages, dstate_stages = config.state_warps_wide, 1, 1
-    else:
-        state_warps = config.state_warps
-        state_stages = config.state_stages if sixteen_bit else config.state_stages_fp32
-        dstate_stages = config.dstate_stages if sixteen_bit else config.dstate_stages_fp32
-    inter_bv = config.inter_block_v if sixteen_bit else config.inter_block_v_fp32
-    # The state as two K halves, as the forward's (float32 intermediates), in
-    # the reverse pass too unless the config says otherwise.
+    # The state as two K halves where the intermediates call for it (as the
+    # forward's), in each pass whose config allows it.
     split = split_state_k(work, kd)
-    split_rev = split and config.dstate_split_k
-    # Product precisions by the intermediates' dtype: bfloat16, float16, float32.
-    by_work = {"bfloat16": 0, "float16": 1, "float32": 2}[jnp.dtype(work).name]
-    dot_a = dot_precision((config.product_dot, config.product_dot_fp16,
-                           config.product_dot_fp32)[by_work])
-    # The state passes and the inter kernel multiply intermediates (``work``,
-    # forward.work_dtype): 16-bit ones make exact 16-bit products, float32 ones
-    # take fp32_dot.
-    dot_state = "ieee" if sixteen_bit else dot_precision(config.fp32_dot)
     common = dict(HV=hv, K=kd, V=vd, BT=bt)
     launches = [
         KernelLaunch("kda_bwd_state_kernel", dict(
-            **common, BK=bk_state // (2 if split else 1), BV=bv_state,
+            **common, BK=bk_state // (2 if split and sc.split_k else 1),
+            BV=min(next_pow2(max(vd, 16)), state_block_v(sc, work, kd, vd)),
             USE_INITIAL_STATE=has_initial_state, STATE_V_FIRST=opts.state_v_first,
-            DOT=dot_state, SPLIT_K=split), state_warps, state_stages),
+            DOT=dot_precision(sc.dot), SPLIT_K=split and sc.split_k), sc.warps, sc.stages),
         KernelLaunch("kda_bwd_dstate_kernel", dict(
-            **common, BK=bk_state // (2 if split_rev else 1), BV=bv_state,
+            **common, BK=bk_state // (2 if split and dc.split_k else 1),
+            BV=min(next_pow2(max(vd, 16)), state_block_v(dc, work, kd, vd)),
             USE_FINAL_GRAD=has_final_grad, STORE_INITIAL_GRAD=has_initial_state,
-            STATE_V_FIRST=opts.state_v_first, DOT=dot_state, SPLIT_K=split_rev,
-            STORE_CHUNKS=True),
-            state_warps, dstate_stages),
+            STATE_V_FIRST=opts.state_v_first, DOT=dot_precision(dc.dot),
+            SPLIT_K=split and dc.split_k, STORE_CHUNKS=True),
+            dc.warps, dc.stages),
         KernelLaunch("kda_bwd_inter_kernel", dict(
-            H=h, **common, BK=_block(kd, config.inter_block_k),
-            BV=_block(vd, inter_bv),
-            SCALE=float(opts.scale), DOT=dot_state),
-            config.inter_warps, 1),
+            H=h, **common, BK=_block(kd, ic.block_k), BV=_block(vd, ic.block_v),
+            SCALE=float(opts.scale), DOT=dot_precision(ic.dot)),
+            ic.warps, 1),
         KernelLaunch("kda_bwd_wy_kernel", dict(
-            H=h, **common, BK=_block(kd, (config.wy_block_k, config.wy_block_k,
-                                           config.wy_block_k_fp32)[by_work]),
-            BV=_block(vd, config.wy_block_v),
-            SCALE=float(opts.scale), DOT_X=dot_precision(
-                (config.wy_dot, config.wy_dot_fp16, config.wy_dot_fp32)[by_work])),
-            config.wy_warps, 1),
+            H=h, **common, BK=_block(kd, wc.block_k), BV=_block(vd, wc.block_v),
+            SCALE=float(opts.scale), DOT_X=dot_precision(wc.dot)),
+            wc.warps, 1),
         KernelLaunch("kda_bwd_intra_kernel", dict(
-            H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, config.intra_block_k), DOT_A=dot_a,
-            BATCHED_L1=config.batched_l1),
-            config.intra_warps, 1),
+            H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, ac.block_k), DOT_A=dot_precision(ac.dot),
+            BATCHED_L1=ac.batched_l1),
+            ac.warps, 1),
     ]
     return {launch_.kernel: launch_ for launch_ in launches}
 
@@ -241,7 +208,7 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
             backward=True)
     if tables is not None:
         state, dstate = _segmented_state_passes(
-            r, tables, segments, initial_state, dht, do, h=h, hv=hv, kd=kd, vd=vd,
+            r, tables, initial_state, dht, do, h=h, hv=hv, kd=kd, vd=vd,
             n_chunks=n_chunks, tokens=tokens, opts=opts, config=config, work=work)
     else:
         state = run(
@@ -282,8 +249,8 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
 
 
 def segmented_backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
-                                config: BackwardConfig, work, segments: configs.SegmentConfig,
-                                has_initial_state: bool, has_final_grad: bool) -> dict:
+                                config: BackwardConfig, work, has_initial_state: bool,
+                                has_final_grad: bool) -> dict:
     """The backward's launches over segments, by role: ``state`` (the state
     pass from each segment's start state), ``own`` (the reverse pass from
     zero storing only each segment's start cotangent), ``dstate`` (the
@@ -296,12 +263,15 @@ def segmented_backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaO
     state, dstate = L["kda_bwd_state_kernel"], L["kda_bwd_dstate_kernel"]
     own = dataclasses.replace(dstate, constexprs=dict(
         dstate.constexprs, USE_FINAL_GRAD=False, STORE_CHUNKS=False))
-    chain = state_chain.chain_launches(state, segments, use_h0=has_initial_state,
-                                       use_final_grad=has_final_grad, backward=True)
+    # The map replaces the state pass over each segment: it runs at that pass's launch.
+    map_config = StateConfig(block_v=state.constexprs["BV"], warps=state.num_warps,
+                             stages=state.num_stages, dot=state.constexprs["DOT"])
+    chain = state_chain.chain_launches(state, map_config, config.fold,
+                                       use_h0=has_initial_state, use_final_grad=has_final_grad)
     return dict(state=state, own=own, dstate=dstate, chain=chain)
 
 
-def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, hv, kd, vd, n_chunks,
+def _segmented_state_passes(r, tables, initial_state, dht, do, *, h, hv, kd, vd, n_chunks,
                             tokens, opts, config, work):
     """The backward's two state passes over segments (kda_jax.triton.state_chain):
     the forward chain's maps and fold give each segment's start state for the
@@ -314,7 +284,7 @@ def _segmented_state_passes(r, tables, segments, initial_state, dht, do, *, h, h
     h0 = state_chain.k_first(initial_state, opts.state_v_first)
     ht_bar = state_chain.k_first(dht, opts.state_v_first)
     L = segmented_backward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
-                                    work=work, segments=segments, has_initial_state=h0 is not None,
+                                    work=work, has_initial_state=h0 is not None,
                                     has_final_grad=ht_bar is not None)
     state_l, own_l, dstate_l, chain = L["state"], L["own"], L["dstate"], L["chain"]
     meta = state_chain.segment_meta(tables)

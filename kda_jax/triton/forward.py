@@ -22,7 +22,8 @@ import numpy as np
 from kda_jax import pool as state_pool
 from kda_jax.bounds import checkpoint_offsets, next_pow2
 from kda_jax.batch import kernel_metadata
-from kda_jax.configs import ForwardConfig, SegmentConfig
+from kda_jax.configs import (ForwardConfig, PrepareConfig, SegmentConfig, StateConfig,
+                             variant_key)
 from kda_jax.options import KdaOptions
 from kda_jax.triton.forward_only import forward_only
 from kda_jax.triton.launch import (KernelLaunch, dot_precision, interpret_mode, launch_kernel,
@@ -31,8 +32,8 @@ from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton import state_chain
 from kda_jax.triton.state_args import kernel_states
 
-__all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches",
-           "segmented_launches", "split_state_k", "work_dtype"]
+__all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches", "prepare_launch",
+           "segmented_launches", "split_state_k", "state_launch", "work_dtype"]
 
 
 def work_dtype(input_dtype, *, interpret: bool = False):
@@ -72,62 +73,68 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     The one place the constexprs are derived: :func:`chunk_kda_triton` launches
     with them and :mod:`bench.aot` compiles with them.
     """
-    bt = opts.chunk_size
-    sixteen_bit = jnp.dtype(work).itemsize == 2
-    wide = next_pow2(kd) > 128
-    # The state kernel's three cases (ForwardConfig): float32 intermediates,
-    # 16-bit past K = 128, 16-bit. Past K = 128 it runs one stage: two stages
-    # of its [BT, K] tiles outgrow shared memory.
-    if not sixteen_bit:
-        state_bv, state_warps = config.state_block_v_fp32, config.state_warps_fp32
-        state_stages = 1 if wide else config.state_stages_fp32
-    elif wide:
-        state_bv, state_warps, state_stages = config.state_block_v_wide, config.state_warps_wide, 1
-    else:
-        state_bv, state_warps, state_stages = (config.state_block_v, config.state_warps,
-                                               config.state_stages)
-    prepare = KernelLaunch(
+    work = jnp.dtype(work).name
+    prepare = prepare_launch(config.prepare[variant_key(config.prepare, work, kd)], h=h, hv=hv,
+                             kd=kd, vd=vd, opts=opts, has_a_log=has_a_log,
+                             has_dt_bias=has_dt_bias, store_x=store_x)
+    state = state_launch(config.state[variant_key(config.state, work, kd)], hv=hv, kd=kd, vd=vd,
+                         opts=opts, work=work, has_initial_state=has_initial_state,
+                         indexed_state=indexed_state, checkpoint_chunks=checkpoint_chunks)
+    return prepare, state
+
+
+def prepare_launch(pc: PrepareConfig, *, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
+                   has_a_log: bool, has_dt_bias: bool, store_x: bool = False) -> KernelLaunch:
+    """The prepare kernel's launch at the config ``pc`` (the forward's, or the
+    backward's recompute with ``store_x``)."""
+    return KernelLaunch(
         kernel="kda_fwd_prepare_kernel",
         constexprs=dict(
-            H=h, HV=hv, K=kd, V=vd, BT=bt,
+            H=h, HV=hv, K=kd, V=vd, BT=opts.chunk_size,
             # Tiles at least 16 wide: a matrix product needs K >= 16 on a GPU.
-            BK=min(next_pow2(max(kd, 16)),
-                   config.prepare_block_k if sixteen_bit else config.prepare_block_k_fp32),
+            BK=min(next_pow2(max(kd, 16)), pc.block_k),
             BV=min(next_pow2(max(vd, 16)), 64),
             **transform_constexprs(opts, has_a_log=has_a_log, has_dt_bias=has_dt_bias),
-            DOT_A=dot_precision(config.prepare_dot if sixteen_bit else config.fp32_dot),
-            DOT_WU=dot_precision(config.prepare_wu_dot if sixteen_bit else config.fp32_dot),
-            DOT_INV=dot_precision(config.inverse_dot if sixteen_bit else config.fp32_dot),
+            DOT_A=dot_precision(pc.dot), DOT_WU=dot_precision(pc.wu_dot),
+            DOT_INV=dot_precision(pc.inverse_dot),
             STORE_X=store_x,
-            SPLIT_PASSES=config.prepare_split if sixteen_bit else config.prepare_split_fp32,
-            BATCHED_L1=config.prepare_batched_l1,
+            SPLIT_PASSES=pc.split,
+            BATCHED_L1=pc.batched_l1,
         ),
-        num_warps=config.prepare_warps,
-        num_stages=config.prepare_stages,
+        num_warps=pc.warps,
+        num_stages=pc.stages,
     )
-    split = split_state_k(work, kd)
+
+
+def state_launch(sc: StateConfig, *, hv: int, kd: int, vd: int, opts: KdaOptions, work,
+                 has_initial_state: bool, indexed_state: bool = False,
+                 checkpoint_chunks: int = 0) -> KernelLaunch:
+    """The state-output kernel's launch at the config ``sc`` (the one pass's
+    or the pass over segments')."""
+    # The state as two K halves where the intermediates call for it.
+    split = split_state_k(work, kd) and sc.split_k
+    stages = sc.stages
     if split and checkpoint_chunks:
         # The checkpoint stores in the chunk loop: at two stages the float32
         # state kernel in K halves spilled on sm90 at chunk 32 (bench.aot).
-        state_stages = 1
-    state = KernelLaunch(
+        stages = 1
+    return KernelLaunch(
         kernel="kda_fwd_state_output_kernel",
         constexprs=dict(
-            HV=hv, K=kd, V=vd, BT=bt, BK=next_pow2(max(kd, 16)) // (2 if split else 1),
-            BV=min(next_pow2(max(vd, 16)), state_bv),
+            HV=hv, K=kd, V=vd, BT=opts.chunk_size,
+            BK=next_pow2(max(kd, 16)) // (2 if split else 1),
+            BV=min(next_pow2(max(vd, 16)), sc.block_v),
             USE_INITIAL_STATE=has_initial_state or indexed_state,
             STORE_FINAL_STATE=opts.output_final_state or indexed_state,
             STATE_V_FIRST=opts.state_v_first,
             INDEXED_STATE=indexed_state,
-            # 16-bit intermediates make 16-bit products; float32 ones take fp32_dot.
-            DOT="ieee" if sixteen_bit else dot_precision(config.fp32_dot),
+            DOT=dot_precision(sc.dot),
             SPLIT_K=split,  # the state as two [BK, BV] tiles
             CHECKPOINT_CHUNKS=checkpoint_chunks,
         ),
-        num_warps=state_warps,
-        num_stages=state_stages,
+        num_warps=sc.warps,
+        num_stages=stages,
     )
-    return prepare, state
 
 
 def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
@@ -206,9 +213,8 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     tables = None
     if segments is not None and not indexed and not empty and ckpt is None:
         seg_launches = segmented_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
-                                          work=work, segments=segments,
-                                          has_initial_state=initial_state is not None,
-                                          input_dtype=q.dtype)
+                                          work=work,
+                                          has_initial_state=initial_state is not None)
         tables = state_chain.chain_tables(
             bounds, segments, chunk_size=bt, hv=hv, kd=kd, vd=vd, block_v=state.constexprs["BV"],
             split_k=state.constexprs["SPLIT_K"],
@@ -277,30 +283,25 @@ def _checkpoint_args(bounds, pool, every, indices, chunk_size: int,
 
 
 def segmented_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
-                       config: ForwardConfig, work, segments: SegmentConfig,
-                       has_initial_state: bool, input_dtype
+                       config: ForwardConfig, work, has_initial_state: bool
                        ) -> tuple[KernelLaunch, state_chain.ChainLaunches]:
     """The forward's launches over segments: the state-output kernel (states
-    K-first, every segment from a start state) and the chain's map and fold
-    (:mod:`kda_jax.triton.state_chain`). With 16-bit inputs (``input_dtype``)
-    and V a multiple of ``segments.state_block_v``, the state-output kernel
-    takes the V block and warps of ``segments`` where it sets them. The glue
-    launches with them and :mod:`bench.aot` compiles them."""
+    K-first, every segment from a start state) at ``config.segment_state``
+    where V is a multiple of its V block (else the one pass's: float32 state
+    tiles at V block 64 spilled on sm90 at K = 64, and 16-bit ones with
+    masked V columns at K = 100, bench.aot), and the chain's map and fold
+    (:mod:`kda_jax.triton.state_chain`). The glue launches with them and
+    :mod:`bench.aot` compiles them."""
     seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
-    # Float32 state tiles at V block 64 spilled on sm90 at K = 64, and 16-bit
-    # ones with masked V columns at K = 100 (bench.aot): those keep the one
-    # pass's blocks. The float32 fields are set too, since 16-bit inputs have
-    # float32 intermediates in the interpreter.
-    bv, warps = segments.state_block_v, segments.state_warps
-    if jnp.dtype(input_dtype).itemsize == 2 and (bv is None or vd % bv == 0):
-        if bv is not None:
-            config = dataclasses.replace(config, state_block_v=bv, state_block_v_fp32=bv)
-        if warps is not None:
-            config = dataclasses.replace(config, state_warps=warps, state_warps_fp32=warps)
-    _, state = forward_launches(h=h, hv=hv, kd=kd, vd=vd, opts=seg_opts, config=config,
-                                work=work, has_a_log=False, has_dt_bias=False,
-                                has_initial_state=True)
-    return state, state_chain.chain_launches(state, segments, use_h0=has_initial_state)
+    work = jnp.dtype(work).name
+    sc = config.segment_state[variant_key(config.segment_state, work, kd)]
+    if vd % sc.block_v:
+        sc = config.state[variant_key(config.state, work, kd)]
+    state = state_launch(sc, hv=hv, kd=kd, vd=vd, opts=seg_opts, work=work,
+                         has_initial_state=True)
+    return state, state_chain.chain_launches(
+        state, config.map[variant_key(config.map, work, kd)], config.fold,
+        use_h0=has_initial_state)
 
 
 def _segmented_state_output(p, tables, launches, initial_state, out_dtype, *, hv, kd, vd, b, t,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from kda_jax import pool as state_pool
 from kda_jax.batch import kernel_metadata
 from kda_jax.bounds import SeqBounds, next_pow2
-from kda_jax.configs import RecurrentConfig
+from kda_jax.configs import DecodeConfig, RecurrentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, ROWS, STATE, foldable
 from kda_jax.triton.forward_only import forward_only, not_differentiable
@@ -24,7 +24,8 @@ from kda_jax.triton.launch import KernelLaunch, launch_kernel, stand_in, transfo
 from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton.state_args import kernel_states
 
-__all__ = ["KERNEL", "recurrent_constexprs", "recurrent_launch", "fused_recurrent_kda_triton"]
+__all__ = ["KERNEL", "decode_config", "recurrent_constexprs", "recurrent_launch",
+           "fused_recurrent_kda_triton"]
 
 KERNEL = "kda_fused_recurrent_kernel"
 # The metadata buffer is the one chunk_kda builds (same cache entry); this
@@ -38,20 +39,15 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                          uniform_len: int | None = None, write_columns: int = 0) -> dict:
     """The kernel's constexprs for these shapes, options and config (the one
     place they are derived). ``uniform_len``: every sequence has this many
-    tokens (host bounds; the kernel then loads no bound), None: varlen. The
-    V block: ``block_v_wide`` past K = 128, else ``block_v_bounds`` when the
-    bounds are loaded, else ``block_v``. ``write_columns``: W of a verify's
-    ``[N, W]`` write rows (the state after each token), 0 otherwise."""
-    if kd > 128:
-        block_v = config.block_v_wide
-    elif uniform_len is None:
-        block_v = config.block_v_bounds
-    else:
-        block_v = config.block_v
+    tokens (host bounds; the kernel then loads no bound), None: varlen; the
+    config's variant: :func:`decode_config`. ``write_columns``: W of a
+    verify's ``[N, W]`` write rows (the state after each token), 0
+    otherwise."""
+    dc = decode_config(config, kd, uniform_len)
     return dict(
         H=h, HV=hv, K=kd, V=vd,
         BK=next_pow2(max(kd, 16)),
-        BV=min(next_pow2(max(vd, 8)), block_v),
+        BV=min(next_pow2(max(vd, 8)), dc.block_v),
         **transform_constexprs(opts, has_a_log=has_a_log, has_dt_bias=has_dt_bias),
         USE_INITIAL_STATE=has_initial_state or indexed_state,
         STORE_FINAL_STATE=(opts.output_final_state or indexed_state) and not write_columns,
@@ -60,15 +56,25 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         WRITE_COLUMNS=write_columns,
         UNIFORM=uniform_len is not None,
         SEQ_LEN=uniform_len or 0,
-        LOOP_STAGES=config.stages,
+        LOOP_STAGES=dc.stages,
     )
+
+
+def decode_config(config: RecurrentConfig, kd: int, uniform_len: int | None) -> DecodeConfig:
+    """The variant of ``config`` a call takes: "wide" past K = 128, else
+    "varlen" when the kernel loads the bounds (``uniform_len`` None), else
+    "dense"."""
+    if kd > 128:
+        return config.decode["wide"]
+    return config.decode["varlen" if uniform_len is None else "dense"]
 
 
 def recurrent_launch(*, config: RecurrentConfig, **kwargs) -> KernelLaunch:
     """The kernel's launch: :func:`recurrent_constexprs` (same arguments) and
-    the config's warps and stages."""
-    return KernelLaunch(KERNEL, recurrent_constexprs(config=config, **kwargs), config.warps,
-                        config.stages)
+    its variant's warps and stages."""
+    dc = decode_config(config, kwargs["kd"], kwargs.get("uniform_len"))
+    return KernelLaunch(KERNEL, recurrent_constexprs(config=config, **kwargs), dc.warps,
+                        dc.stages)
 
 
 # The decode grid is (V blocks, heads, sequences): sequences take the third

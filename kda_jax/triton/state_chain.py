@@ -40,8 +40,7 @@ from kda_jax.triton.launch import KernelLaunch, dot_precision, launch_kernel, st
 __all__ = ["ChainLaunches", "chain_tables", "chain_launches", "segment_meta", "k_first",
            "segment_maps", "fold_states", "per_sequence"]
 
-# The fold's states are [K, FOLD_BV] tiles; its M slices and warps are
-# SegmentConfig.fold_block_j / fold_warps.
+# The fold's states are [K, FOLD_BV] tiles (its M slices and warps: FoldConfig).
 FOLD_BV = 32
 
 
@@ -49,7 +48,7 @@ def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int
                  vd: int, block_v: int, split_k: bool, backward: bool = False,
                  segment_block_v: int | None = None) -> SegmentTables | None:
     """The segment tables of a call under the rule ``cfg`` (its backward
-    threshold for ``backward``), or None: it runs unsegmented. ``block_v``:
+    rule for ``backward``), or None: it runs unsegmented. ``block_v``:
     the state pass's V block (its programs per sequence and head are
     cdiv(V, block_v)); ``segment_block_v``: the V block of that pass over
     segments, where it differs (None: ``block_v``); ``split_k``: the state
@@ -57,28 +56,16 @@ def chain_tables(bounds, cfg: configs.SegmentConfig, *, chunk_size: int, hv: int
     only."""
     if not isinstance(bounds, SeqBounds) or split_k or next_pow2(max(kd, 16)) > 128:
         return None
+    rule = cfg.backward if backward else cfg.forward
     per = segment_chunks(
         bounds, chunk_size, hv=hv, programs_per_seq_head=-(-vd // block_v),
-        min_programs=cfg.backward_min_programs if backward else cfg.min_programs,
-        target_programs=_backward_or(cfg.backward_target_programs, cfg.target_programs, backward),
-        min_segment_chunks=_backward_or(cfg.backward_min_segment_chunks, cfg.min_segment_chunks,
-                                        backward),
+        min_programs=rule.min_programs, target_programs=rule.target_programs,
+        min_segment_chunks=rule.min_segment_chunks,
         min_segments=cfg.min_segments, forced_segment_chunks=cfg.segment_chunks,
         segment_programs_per_seq_head=None if segment_block_v is None else -(-vd // segment_block_v))
     if per is None:
         return None
     return segment_tables(segment_plan(bounds, chunk_size, per), chunk_size)
-
-
-def _backward_or(backward_value, value, backward: bool):
-    """A rule's backward field where the backward sets it, else the forward's."""
-    return backward_value if backward and backward_value is not None else value
-
-
-def _forward_only(value, state_value, backward: bool):
-    """A map launch field: the forward's setting where it has one, else (and
-    always in the backward) the state pass's."""
-    return state_value if backward or value is None else value
 
 
 class ChainLaunches(NamedTuple):
@@ -90,32 +77,30 @@ class ChainLaunches(NamedTuple):
     fold_reverse: KernelLaunch
 
 
-def chain_launches(state: KernelLaunch, cfg: configs.SegmentConfig, *, use_h0: bool,
-                   use_final_grad: bool = False, backward: bool = False) -> ChainLaunches:
-    """Launches for a call whose state pass is ``state`` (the map kernel is
-    that pass without its outputs: its V block, product precision, warps and
-    stages, unless ``cfg`` sets them for the forward; ``backward``: the
-    backward's map, which always takes its state pass's) and the fold's
-    float32 products at ``cfg.fold_dot``. ``use_h0``: the forward fold
-    starts from initial states; ``use_final_grad``: the reverse fold from
-    final-state cotangents."""
+def chain_launches(state: KernelLaunch, map_config: configs.StateConfig,
+                   fold_config: configs.FoldConfig, *, use_h0: bool,
+                   use_final_grad: bool = False) -> ChainLaunches:
+    """Launches for a call whose state pass is ``state`` (the map kernel runs
+    over its chunks at ``map_config``: the forward's map config, or the
+    backward's state pass config, since that is what its map replaces) and
+    the fold at ``fold_config``. ``use_h0``: the forward fold starts from
+    initial states; ``use_final_grad``: the reverse fold from final-state
+    cotangents."""
     c = state.constexprs
     hv, kd, vd, chunk_size = c["HV"], c["K"], c["V"], c["BT"]
     bk = next_pow2(max(kd, 16))
     map_ = KernelLaunch("kda_segment_map_kernel", dict(
         HV=hv, K=kd, V=vd, BT=chunk_size, BK=bk,
-        BV=min(next_pow2(max(vd, 16)), _forward_only(cfg.map_block_v, c["BV"], backward)),
-        DOT=c["DOT"]), _forward_only(cfg.map_warps, state.num_warps, backward),
-        _forward_only(cfg.map_stages, state.num_stages, backward))
+        BV=min(next_pow2(max(vd, 16)), map_config.block_v),
+        DOT=dot_precision(map_config.dot)), map_config.warps, map_config.stages)
     fold = dict(HV=hv, K=kd, V=vd, BK=bk, BV=min(next_pow2(max(vd, 16)), FOLD_BV),
-                BJ=bk if cfg.fold_block_j is None else min(bk, cfg.fold_block_j),
-                DOT=dot_precision(cfg.fold_dot))
+                BJ=min(bk, fold_config.block_j), DOT=dot_precision(fold_config.dot))
     return ChainLaunches(
         map_,
         KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_h0, REVERSE=False),
-                     cfg.fold_warps, 1),
+                     fold_config.warps, 1),
         KernelLaunch("kda_segment_fold_kernel", dict(fold, USE_H0=use_final_grad, REVERSE=True),
-                     cfg.fold_warps, 1))
+                     fold_config.warps, 1))
 
 
 def segment_meta(tables: SegmentTables) -> dict:

@@ -1,0 +1,563 @@
+"""The config types: one small frozen config per kernel, grouped per kernel
+family, each kernel's configs keyed by variant.
+
+A variant is the case a launch falls in: the dtype of the intermediates
+(``"bf16"``, ``"fp16"``, ``"fp32"``, or ``"16bit"`` for both 16-bit ones)
+and, for the state passes, K past 128 (``"16bit_wide"``, ``"fp32_wide"``).
+:func:`variant_key` picks the most specific key a kernel has. The per-arch
+values are in this package's arch modules; why each is as it is, and the
+measurements, in docs/tuning.md ("Launch configs").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Generic, Iterator, Mapping, TypeVar
+
+__all__ = ["DOT_MODES", "Variants", "variant_key", "PrepareConfig", "StateConfig", "BlockConfig",
+           "IntraConfig", "FoldConfig", "DecodeConfig", "SegmentRule", "ForwardConfig",
+           "BackwardConfig", "RecurrentConfig", "SegmentConfig", "as_dict", "replace"]
+
+# Product precisions: the kernels' DOT constexprs, tl.dot's input_precision names and
+# "bf16" (operands rounded to bf16; kda_jax/kernels/common.py, dot).
+DOT_MODES = ("ieee", "tf32x3", "tf32", "bf16", "bf16x3", "bf16x6")
+# The inverse's merge compounds rounding through nilpotent powers: float32-grade
+# modes or tf32 (16-bit inputs only, where X is used at 16-bit or tf32 precision
+# afterwards); never bf16.
+INVERSE_DOTS = ("ieee", "tf32x3", "tf32", "bf16x3", "bf16x6")
+FP32_GRADE = ("ieee", "tf32x3", "bf16x6")
+# The fold carries float32 states.
+FOLD_DOTS = ("ieee", "tf32x3", "bf16x3", "bf16x6")
+WORK_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _fail(owner: str, name: str, value, must: str):
+    raise ValueError(f"{owner}: {name}={value!r} {must}")
+
+
+def _check_int(owner, name, value, allowed=None, *, power_of_two_from=None, minimum=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(owner, name, value, "must be an int")
+    if allowed is not None and value not in allowed:
+        _fail(owner, name, value, f"must be one of {', '.join(map(str, allowed))}")
+    if power_of_two_from is not None and (value < power_of_two_from or value & (value - 1)):
+        _fail(owner, name, value, f"must be a power of two >= {power_of_two_from}")
+    if minimum is not None and value < minimum:
+        _fail(owner, name, value, f"must be >= {minimum}")
+
+
+def _check_bool(owner, name, value):
+    if not isinstance(value, bool):
+        _fail(owner, name, value, "must be True or False")
+
+
+def _check_dot(owner, name, value, allowed=DOT_MODES, why=""):
+    if value not in allowed:
+        _fail(owner, name, value, f"must be one of {', '.join(map(repr, allowed))}{why}")
+
+
+_WARPS = (1, 2, 4, 8, 16)
+_STAGES = (1, 2, 3, 4)
+
+# --------------------------------------------------------------------------- #
+# One config per kernel.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    """The intra-chunk prepare kernel (``kda_fwd_prepare_kernel``: the
+    forward's, and the backward's recompute, which stores X too); one
+    program per chunk and value head.
+
+    block_k: its K slice (the intra-chunk products loop over K in slices).
+    warps / stages: num_warps / num_stages.
+    dot: precision of Akk and Aqk; wu_dot: of w = X (beta k e^G) and
+      u = X (beta v); inverse_dot: of the products that merge the inverse's
+      16-row diagonal blocks (which are exact float32 sweeps). Modes:
+      "ieee" (fp32), "tf32x3" (NVIDIA only; about fp32 accuracy), "tf32"
+      (NVIDIA only), "bf16" (operands rounded to bf16), "bf16x3" (three bf16
+      products of a two-term split, about 1e-5 relative) or "bf16x6" (about
+      fp32 accuracy). Users of float32 expect float32 accuracy: the "fp32"
+      variant takes one mode for all three.
+    split: Aqk and Akk in a pass over K each (one matrix's accumulators live
+      at a time: fewer registers, the k and log-decay tiles read twice).
+    batched_l1: the two-level products' level 1 (pairs within 8-row blocks)
+      as products batched over the 16-row diagonal blocks instead of
+      whole-chunk products masked to its pairs (docs/kda.md section 3).
+    """
+
+    block_k: int
+    warps: int
+    stages: int
+    dot: str
+    wu_dot: str
+    inverse_dot: str
+    split: bool = False
+    batched_l1: bool = False
+
+    def __post_init__(self):
+        owner = "PrepareConfig"
+        _check_int(owner, "block_k", self.block_k, power_of_two_from=16)
+        _check_int(owner, "warps", self.warps, _WARPS)
+        _check_int(owner, "stages", self.stages, _STAGES)
+        _check_dot(owner, "dot", self.dot)
+        _check_dot(owner, "wu_dot", self.wu_dot)
+        _check_dot(owner, "inverse_dot", self.inverse_dot, INVERSE_DOTS,
+                   " (the inverse's merge; bf16 operands lose too much)")
+        _check_bool(owner, "split", self.split)
+        _check_bool(owner, "batched_l1", self.batched_l1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateConfig:
+    """A pass over the chunks carrying the [K, block_v] float32 state (one
+    program per sequence, value head and V block): the forward's
+    state-output kernel, its map over segments, and the backward's forward
+    (h) and reverse (dS) passes.
+
+    block_v / warps / stages: its V block, num_warps and num_stages (past
+      K = 128 one stage: two stages of its [BT, K] tiles outgrow shared
+      memory, so the wide variants must say 1).
+    dot: precision of its products with float32 intermediates ("ieee" for
+      the 16-bit variants, whose products are exact).
+    split_k: hold the state as two K halves where the intermediates call for
+      it (float32 ones from K = 128: kda_jax.triton.forward.split_state_k);
+      False keeps one [K, block_v] tile.
+    """
+
+    block_v: int
+    warps: int
+    stages: int
+    dot: str = "ieee"
+    split_k: bool = True
+
+    def __post_init__(self):
+        owner = "StateConfig"
+        _check_int(owner, "block_v", self.block_v, power_of_two_from=16)
+        _check_int(owner, "warps", self.warps, _WARPS)
+        _check_int(owner, "stages", self.stages, _STAGES)
+        _check_dot(owner, "dot", self.dot)
+        _check_bool(owner, "split_k", self.split_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """A per-chunk backward kernel over [block_k, block_v] tiles: the inter
+    kernel (the state terms; grid chunks x heads x K blocks, looping over V
+    blocks) and the wy kernel (the gradients through X; grid chunks x heads,
+    looping over K and V blocks).
+
+    dot: the inter kernel's products with float32 intermediates ("ieee" for
+      16-bit ones, exact); the wy kernel's dots with X^T and dw w^T (its
+      "fp32" variant float32-grade: "ieee", "tf32x3" or "bf16x6").
+    """
+
+    block_k: int
+    block_v: int
+    warps: int
+    dot: str
+
+    def __post_init__(self):
+        owner = "BlockConfig"
+        _check_int(owner, "block_k", self.block_k, power_of_two_from=16)
+        _check_int(owner, "block_v", self.block_v, power_of_two_from=16)
+        _check_int(owner, "warps", self.warps, _WARPS)
+        _check_dot(owner, "dot", self.dot)
+
+
+@dataclasses.dataclass(frozen=True)
+class IntraConfig:
+    """The backward of the intra-chunk products (``kda_bwd_intra_kernel``;
+    grid chunks x heads x K blocks).
+
+    block_k / warps: its K block and num_warps.
+    dot: precision of its products (PrepareConfig's modes).
+    batched_l1: level 1 batched over diagonal blocks (PrepareConfig's), as
+      the recompute computes it.
+    """
+
+    block_k: int
+    warps: int
+    dot: str
+    batched_l1: bool = False
+
+    def __post_init__(self):
+        owner = "IntraConfig"
+        _check_int(owner, "block_k", self.block_k, power_of_two_from=16)
+        _check_int(owner, "warps", self.warps, _WARPS)
+        _check_dot(owner, "dot", self.dot)
+        _check_bool(owner, "batched_l1", self.batched_l1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldConfig:
+    """The fold over segments (``kda_segment_fold_kernel``): it walks each
+    sequence's segments, reading the [K, K] maps in column slices of
+    ``block_j`` (at least K: whole, one product per segment), at ``warps``,
+    with float32 products at ``dot`` ("ieee", "tf32x3", "bf16x3" or
+    "bf16x6")."""
+
+    block_j: int
+    warps: int
+    dot: str
+
+    def __post_init__(self):
+        owner = "FoldConfig"
+        _check_int(owner, "block_j", self.block_j, power_of_two_from=16)
+        _check_int(owner, "warps", self.warps, (1, 2, 4, 8))
+        _check_dot(owner, "dot", self.dot, FOLD_DOTS, " (the fold carries float32 states)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """The token-by-token kernel (``kda_fused_recurrent_kernel``; one program
+    per sequence, value head and V block, the whole of K in each program):
+    its V block (its state tile [K (padded), block_v] float32 in registers),
+    num_warps, and num_stages, which is also the software-pipelining depth
+    of the token loop (its next token's loads issued before this token's
+    update)."""
+
+    block_v: int
+    warps: int
+    stages: int
+
+    def __post_init__(self):
+        owner = "DecodeConfig"
+        _check_int(owner, "block_v", self.block_v, power_of_two_from=8)
+        _check_int(owner, "warps", self.warps, _WARPS)
+        _check_int(owner, "stages", self.stages, minimum=1)
+
+
+# --------------------------------------------------------------------------- #
+# A kernel's configs by variant.
+# --------------------------------------------------------------------------- #
+
+C = TypeVar("C")
+
+
+class Variants(Mapping[str, C], Generic[C]):
+    """One kernel's configs by variant: an immutable, hashable mapping (so a
+    family config can key the jit cache). Built from a dict."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, configs: Mapping[str, C]):
+        self._items = tuple(configs.items())
+
+    def __getitem__(self, key: str) -> C:
+        for k, v in self._items:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._items, key=lambda kv: kv[0])))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self._items) + "}"
+
+
+def variant_key(variants: Mapping[str, object], work: str, kd: int) -> str:
+    """The key of ``variants`` for a launch whose intermediates are ``work``
+    (a dtype name: "bfloat16", "float16" or "float32") at K = ``kd``: the
+    first present of the dtype's own key and its class's ("16bit" for both
+    16-bit dtypes), each preceded by its "_wide" form past K = 128 (padded to
+    a power of two)."""
+    if work not in WORK_KEYS:
+        raise ValueError(f"work={work!r} must be one of {', '.join(WORK_KEYS)}")
+    own = WORK_KEYS[work]
+    klass = "fp32" if own == "fp32" else "16bit"
+    keys = [own, klass]
+    if 1 << max(int(kd) - 1, 0).bit_length() > 128:
+        keys = [own + "_wide", klass + "_wide"] + keys
+    for key in keys:
+        if key in variants:
+            return key
+    raise KeyError(f"no variant for {work} intermediates at K = {kd}: tried {keys}, "
+                   f"have {list(variants)}")
+
+
+def _variants(owner: str, name: str, value, kind: type, *, wide: bool,
+              keys=("16bit", "16bit_wide", "bf16", "fp16", "fp16_wide", "bf16_wide", "fp32",
+                    "fp32_wide")):
+    """``value`` (a dict or Variants of ``kind``) as Variants, checked: every
+    key known, every config a ``kind``, every dtype covered (past K = 128
+    too when ``wide``: its own variants, whose stages must be 1)."""
+    if not isinstance(value, Mapping) or not value:
+        _fail(owner, name, value, f"must be a non-empty dict of variant -> {kind.__name__}")
+    for key, config in value.items():
+        if key not in keys:
+            _fail(owner, name, value, f"has the variant {key!r}; known: {', '.join(keys)}")
+        if not isinstance(config, kind):
+            _fail(owner, f"{name}[{key!r}]", config, f"must be a {kind.__name__}")
+    for work in WORK_KEYS:
+        for kd in (128, 256) if wide else (128,):
+            try:
+                key = variant_key(value, work, kd)
+            except KeyError:
+                _fail(owner, name, value, f"lacks a variant for {work} intermediates"
+                      + (" past K = 128 (add a '_wide' variant)" if kd > 128 else ""))
+            if kd > 128 and not key.endswith("_wide"):
+                _fail(owner, name, value, f"lacks a '_wide' variant for {work} intermediates "
+                      "(past K = 128 the state passes run one stage)")
+            if kd > 128 and getattr(value[key], "stages", 1) != 1:
+                _fail(owner, f"{name}[{key!r}].stages", value[key].stages,
+                      "must be 1 (past K = 128 two stages of [BT, K] tiles outgrow shared "
+                      "memory)")
+    return value if isinstance(value, Variants) else Variants(value)
+
+
+def _set(config, name: str, value):
+    object.__setattr__(config, name, value)
+
+
+# --------------------------------------------------------------------------- #
+# The kernel families.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """The forward's kernels (kda_jax.kernels.chunk_fwd, segments), each by
+    variant (:func:`variant_key`, of the intermediates' dtype).
+
+    prepare: the intra-chunk prepare ("16bit", "fp32").
+    state: the state-output pass ("16bit", "16bit_wide", "fp32",
+      "fp32_wide").
+    segment_state: the state-output pass over segments ("16bit", "fp32"),
+      where V is a multiple of its block_v (else ``state``'s: masked V
+      columns spill at wider blocks).
+    map: the segments' map kernel ("16bit", "fp32"): each segment's end state
+      from zero and its [K, K] transition.
+    fold: the fold over segments.
+    """
+
+    prepare: Mapping[str, PrepareConfig]
+    state: Mapping[str, StateConfig]
+    segment_state: Mapping[str, StateConfig]
+    map: Mapping[str, StateConfig]
+    fold: FoldConfig
+
+    def __post_init__(self):
+        owner = "ForwardConfig"
+        _set(self, "prepare", _variants(owner, "prepare", self.prepare, PrepareConfig, wide=False))
+        _set(self, "state", _variants(owner, "state", self.state, StateConfig, wide=True))
+        _set(self, "segment_state", _variants(owner, "segment_state", self.segment_state,
+                                              StateConfig, wide=False))
+        _set(self, "map", _variants(owner, "map", self.map, StateConfig, wide=False))
+        if not isinstance(self.fold, FoldConfig):
+            _fail(owner, "fold", self.fold, "must be a FoldConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """The backward's kernels (kda_jax.kernels.chunk_bwd), each by variant
+    (:func:`variant_key`, of the backward's intermediates).
+
+    recompute: the forward's prepare kernel on the transformed inputs,
+      storing X too ("16bit", "fp32").
+    state / dstate: the forward (h) and reverse (dS) state passes ("16bit",
+      "16bit_wide", "fp32", "fp32_wide"); the reverse pass pipelines five
+      tiles to the forward pass's three, so each stage costs it more shared
+      memory.
+    inter, wy: the state terms and the gradients through X (inter: "16bit",
+      "fp32"; wy: "bf16", "fp16", "fp32", the last float32-grade).
+    intra: the products' backward ("bf16", "fp16", "fp32": float16's bar is
+      2.5x tighter than bfloat16's, kda_jax.testing).
+    fold: the transposed fold over segments (the backward's map runs at its
+      state pass's launch).
+    gate_fp32_max_k: with the in-kernel gate (use_gate_in_kernel), 16-bit
+      inputs get float32 intermediates, as float32 inputs do, for K up to
+      this (0: never). The gate parameters' gradients (dA_log, ddt_bias) sum
+      the per-token gate gradient over every token and channel; that
+      gradient is a difference of nearly equal sums, and the rounding of
+      each 16-bit intermediate moves those sums coherently, each by
+      0.5-9e-3 relative on its own: only float32 throughout brings them
+      under 1e-3 (docs/kda.md section 6).
+    """
+
+    recompute: Mapping[str, PrepareConfig]
+    state: Mapping[str, StateConfig]
+    dstate: Mapping[str, StateConfig]
+    inter: Mapping[str, BlockConfig]
+    wy: Mapping[str, BlockConfig]
+    intra: Mapping[str, IntraConfig]
+    fold: FoldConfig
+    gate_fp32_max_k: int
+
+    def __post_init__(self):
+        owner = "BackwardConfig"
+        _set(self, "recompute", _variants(owner, "recompute", self.recompute, PrepareConfig,
+                                          wide=False))
+        _set(self, "state", _variants(owner, "state", self.state, StateConfig, wide=True))
+        _set(self, "dstate", _variants(owner, "dstate", self.dstate, StateConfig, wide=True))
+        _set(self, "inter", _variants(owner, "inter", self.inter, BlockConfig, wide=False))
+        _set(self, "wy", _variants(owner, "wy", self.wy, BlockConfig, wide=False))
+        _set(self, "intra", _variants(owner, "intra", self.intra, IntraConfig, wide=False))
+        wy32 = self.wy[variant_key(self.wy, "float32", 128)]
+        _check_dot(owner, "wy['fp32'].dot", wy32.dot, FP32_GRADE,
+                   " (float32-grade: the products with X in float32 work)")
+        if not isinstance(self.fold, FoldConfig):
+            _fail(owner, "fold", self.fold, "must be a FoldConfig")
+        _check_int(owner, "gate_fp32_max_k", self.gate_fp32_max_k, minimum=0)
+
+
+RECURRENT_VARIANTS = ("dense", "varlen", "wide")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    """The token-by-token kernel by variant: "dense" (K <= 128, host bounds
+    whose sequences all have one length: no bound is loaded), "varlen"
+    (K <= 128, the kernel loads the sequence bounds: varlen and bucketed
+    batches, the serving decode) and "wide" (past K = 128, where the tile
+    is twice as tall)."""
+
+    decode: Mapping[str, DecodeConfig]
+
+    def __post_init__(self):
+        owner = "RecurrentConfig"
+        value = self.decode
+        if not isinstance(value, Mapping) or set(value) != set(RECURRENT_VARIANTS):
+            _fail(owner, "decode", value, f"must be a dict with the variants "
+                  f"{', '.join(RECURRENT_VARIANTS)}")
+        for key, config in value.items():
+            if not isinstance(config, DecodeConfig):
+                _fail(owner, f"decode[{key!r}]", config, "must be a DecodeConfig")
+        _set(self, "decode", value if isinstance(value, Variants) else Variants(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRule:
+    """When one direction's state passes are cut into segments, and how long
+    the segments are (the rule: :func:`kda_jax.segments.segment_chunks`).
+
+    min_programs: segment when the state pass has fewer programs than this
+      (non-empty sequences x value heads x V blocks); 0: never (unless the
+      segment length is forced).
+    target_programs: the cut sequences' segments give at most this many
+      programs of the state pass over segments.
+    min_segment_chunks: no segment shorter than this many chunks (each adds
+      a [K, K] transition and a step of the fold); segments run from this
+      length to just under twice it.
+    """
+
+    min_programs: int = 0
+    target_programs: int = 1024
+    min_segment_chunks: int = 8
+
+    def __post_init__(self):
+        owner = "SegmentRule"
+        _check_int(owner, "min_programs", self.min_programs, minimum=0)
+        _check_int(owner, "target_programs", self.target_programs, minimum=0)
+        _check_int(owner, "min_segment_chunks", self.min_segment_chunks, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentConfig:
+    """When chunk_kda cuts long sequences into segments whose chunk-state
+    chains run in parallel (docs/kda.md section 7). The segment kernels'
+    launches are ForwardConfig's and BackwardConfig's.
+
+    forward / backward: each direction's rule (the backward's reverse pass
+      runs twice over the segments, so it pays off at fewer programs).
+    min_segments: segment only when some sequence makes at least this many
+      segments (>= 2; two halves save little: the map and the state pass
+      each walk half the chunks).
+    segment_chunks: the segment length, skipping the rules (None: the
+      rules decide); a call whose sequences all stay whole still runs
+      unsegmented.
+    xla: apply the forward rule on the XLA path too (its state pass is a
+      scan over the longest segment's chunks instead of the longest
+      sequence's).
+    """
+
+    forward: SegmentRule = SegmentRule()
+    backward: SegmentRule = SegmentRule()
+    min_segments: int = 2
+    segment_chunks: int | None = None
+    xla: bool = False
+
+    def __post_init__(self):
+        owner = "SegmentConfig"
+        for name in ("forward", "backward"):
+            if not isinstance(getattr(self, name), SegmentRule):
+                _fail(owner, name, getattr(self, name), "must be a SegmentRule")
+        _check_int(owner, "min_segments", self.min_segments, minimum=2)
+        if self.segment_chunks is not None:
+            _check_int(owner, "segment_chunks", self.segment_chunks, minimum=1)
+        _check_bool(owner, "xla", self.xla)
+
+
+# --------------------------------------------------------------------------- #
+# Changing one value.
+# --------------------------------------------------------------------------- #
+
+
+def _parse(value: str):
+    """A field value as text: an int, True/False, None or a string."""
+    if value in ("True", "False"):
+        return value == "True"
+    if value == "None":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+_MISSING = object()
+
+
+def replace(config, path, value=_MISSING):
+    """``config`` with the field at ``path`` set to ``value``: dotted names
+    through the family's kernels, variants and fields, e.g.
+    ``replace(forward, "prepare.16bit.warps", 4)``; ``*`` for every variant
+    (``"prepare.*.batched_l1"``); or several at once, ``replace(forward,
+    {"prepare.*.split": True, "state.16bit.stages": 2})``. A string value is
+    parsed as an int, True/False or None where it reads as one."""
+    if isinstance(path, Mapping) and value is _MISSING:
+        for each, v in path.items():
+            config = replace(config, each, v)
+        return config
+    if value is _MISSING:
+        raise TypeError("replace(config, path, value) or replace(config, {path: value, ...})")
+    if isinstance(value, str):
+        value = _parse(value)
+    head, _, rest = path.partition(".")
+    if isinstance(config, Mapping):
+        keys = list(config) if head == "*" else [head]
+        unknown = [k for k in keys if k not in config]
+        if unknown:
+            raise ValueError(f"{path!r}: no variant {unknown[0]!r}; have {', '.join(config)}")
+        if not rest:
+            raise ValueError(f"{path!r} names a variant, not a field: add the field")
+        return Variants({k: replace(v, rest, value) if k in keys else v
+                         for k, v in config.items()})
+    if not dataclasses.is_dataclass(config):
+        raise ValueError(f"{path!r}: {config!r} has no fields")
+    names = [f.name for f in dataclasses.fields(config)]
+    if head not in names:
+        raise ValueError(f"{path!r}: {type(config).__name__} has no field {head!r}; "
+                         f"fields: {', '.join(names)}")
+    new = replace(getattr(config, head), rest, value) if rest else value
+    return dataclasses.replace(config, **{head: new})
+
+
+def as_dict(config):
+    """``config`` as plain dicts, lists and values (for JSON reports)."""
+    if isinstance(config, Mapping):
+        return {k: as_dict(v) for k, v in config.items()}
+    if dataclasses.is_dataclass(config):
+        return {f.name: as_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    return config
