@@ -11,6 +11,8 @@ import dataclasses
 import numpy as np
 
 __all__ = [
+    "Case",
+    "CASES",
     "KdaInputs",
     "make_inputs",
     "rel_rms",
@@ -27,6 +29,162 @@ DENSE_SWEEP = (
 )
 # The serving step of the seed: 12 one-token decodes plus three prefills.
 SERVING_LENGTHS = (1,) * 12 + (1100, 1300, 900)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A named correctness case: shapes (HV None: H), chunk size C, input
+    dtype name, ``make_inputs`` keyword arguments and API keyword arguments
+    (as (name, value) pairs; A_log / dt_bias True: pass make_inputs'), and
+    ``off``: API keyword arguments that switch the case's feature off (the
+    reference with them must differ, so the case exercises it).
+
+    tags: "interpret": small enough for Triton's interpreter (the Triton
+    suite's cases without a GPU); "big": GPU sizes only (the Triton suite on a
+    GPU; too slow for the XLA path on a CPU)."""
+
+    id: str
+    B: int = 2
+    T: int = 45
+    H: int = 2
+    HV: int | None = None
+    K: int = 32
+    V: int = 32
+    C: int = 64
+    dtype: str = "float32"
+    inputs: tuple = ()
+    flags: tuple = ()
+    off: tuple | None = None
+    tags: frozenset = frozenset()
+
+    def __str__(self):
+        return self.id
+
+    def make(self) -> "KdaInputs":
+        """The case's inputs (seeded by its id)."""
+        import zlib
+
+        from ml_dtypes import bfloat16
+
+        dtype = bfloat16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        return make_inputs(zlib.crc32(self.id.encode()), B=self.B, T=self.T, H=self.H,
+                           HV=self.HV, K=self.K, V=self.V, dtype=dtype, **dict(self.inputs))
+
+    def kwargs(self, x: "KdaInputs", overrides=()) -> dict:
+        """The API keyword arguments for inputs ``x`` (with the initial state
+        and the final state asked for), ``overrides`` last."""
+        kw = dict(initial_state=x.initial_state, output_final_state=True)
+        for name, value in self.flags + tuple(overrides):
+            if name in ("A_log", "dt_bias") and value is True:
+                value = getattr(x, name)
+            kw[name] = value
+        return kw
+
+    def tolerance(self, quantity: str, state_dtype: str = "float32") -> str:
+        """The TOLERANCES entry of ``quantity`` ("o" or "final"): o by the
+        input dtype, the final state by ``state_dtype`` (a path that computes
+        the state in float32 from the same values meets "float32"); float32
+        with gates of -1000 takes "float32-extreme-gates" (chunk-local cumsums
+        of ~-1e4 cost the float32 differences G_i - G_j about 1e-4
+        relative)."""
+        name = self.dtype if quantity == "o" else state_dtype
+        if name == "float32" and "gate_floor" in dict(self.inputs):
+            name = "float32-extreme-gates"
+        return name
+
+
+_GATE = (("raw_gate", True),)
+_SMALL = frozenset({"interpret"})
+# Awkward shapes (T not a multiple of the chunk, K/V not powers of two,
+# HV = H/2H/4H, B > 1), every flag, fp32/bf16/fp16 inputs: a covering set, not
+# the cartesian product. Every backend's suite runs them (tests/reference_suite.py).
+CASES = (
+    # Shapes, default flags.
+    Case("T1-K32", B=1, T=1),
+    Case("T17-B2-HV2H-K60-V40-c32", B=2, T=17, H=2, HV=4, K=60, V=40, C=32),
+    Case("T63-HV4H-V48-bf16", B=1, T=63, H=2, HV=8, K=32, V=48, dtype="bfloat16"),
+    Case("T65-B2-K60-V60", B=2, T=65, H=2, K=60, V=60),
+    Case("T65-B2-K60-V60-c32-bf16", B=2, T=65, H=2, K=60, V=60, C=32, dtype="bfloat16"),
+    Case("T100-K100-V128-HV2H-c32-bf16", B=1, T=100, H=1, HV=2, K=100, V=128, C=32,
+         dtype="bfloat16"),
+    Case("T130-K128-V100", B=1, T=130, H=1, K=128, V=100),
+    Case("T70-HV2H-c32-f16", B=2, T=70, H=1, HV=2, K=48, V=32, C=32, dtype="float16"),
+    Case("T150-gate-1000", B=2, T=150, K=32, V=32, inputs=(("gate_floor", -1000.0),)),
+    Case("T70-fp32", B=1, T=70, tags=_SMALL),
+    Case("T70-V48-c32-bf16", B=1, T=70, V=48, C=32, dtype="bfloat16", tags=_SMALL),
+    Case("T45-B2-HV2H-K60-V100", B=2, T=45, H=1, HV=2, K=60, V=100, tags=_SMALL),
+    Case("T40-HV4H-c32", B=1, T=40, H=1, HV=4, C=32, tags=_SMALL),
+    Case("T80-gate-1000", B=1, T=80, inputs=(("gate_floor", -1000.0),), tags=_SMALL),
+    # K > 64 with float32 intermediates (the interpreter's, and float32 inputs'
+    # on a GPU): the Triton state kernel holds the state as two K halves, the
+    # upper one masked at K = 100.
+    Case("T70-K100-V24-v-first", B=1, T=70, K=100, V=24, inputs=(("state_v_first", True),),
+         flags=(("state_v_first", True),), tags=_SMALL),
+    Case("T45-K128-V16-c32", B=1, T=45, H=1, K=128, V=16, C=32, tags=_SMALL),
+    # Flags.
+    Case("l2norm", T=65, C=32, inputs=(("normalized_k", False),),
+         flags=(("use_qk_l2norm_in_kernel", True),), off=(("use_qk_l2norm_in_kernel", False),)),
+    Case("l2norm-HV2H-bf16", T=33, H=1, HV=2, dtype="bfloat16", inputs=(("normalized_k", False),),
+         flags=(("use_qk_l2norm_in_kernel", True),), off=(("use_qk_l2norm_in_kernel", False),)),
+    Case("l2norm-sigmoid-negeig", B=1, T=50, inputs=(("normalized_k", False),
+                                                     ("beta_logits", True)),
+         flags=(("use_qk_l2norm_in_kernel", True), ("use_beta_sigmoid_in_kernel", True),
+                ("allow_neg_eigval", True)), off=(("use_qk_l2norm_in_kernel", False),),
+         tags=_SMALL),
+    Case("gate-Alog-dtbias", T=65, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True)),
+         off=(("dt_bias", None),)),
+    Case("gate-softplus-T66", B=1, T=66, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True)),
+         off=(("dt_bias", None),), tags=_SMALL),
+    Case("gate-Alog-c32-bf16", T=40, C=32, dtype="bfloat16", inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True)),
+         off=(("lower_bound", -1.0),)),
+    Case("gate-lb5-Alog-dtbias", T=50, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True),
+                ("lower_bound", -5.0)),
+         off=(("A_log", None),)),
+    Case("gate-lb5-T66", B=1, T=66, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True),
+                ("lower_bound", -5.0)),
+         off=(("A_log", None),), tags=_SMALL),
+    Case("gate-lb1-dtbias", T=50, C=32, H=1, HV=2, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("dt_bias", True), ("lower_bound", -1.0)),
+         off=(("dt_bias", None),)),
+    Case("gate-lb1-Alog", T=50, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("lower_bound", -1.0)),
+         off=(("lower_bound", -5.0),)),
+    Case("gate-lb5-bare-bf16", T=50, dtype="bfloat16", inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("lower_bound", -5.0)),
+         off=(("lower_bound", -1.0),)),
+    Case("beta-sigmoid", T=40, inputs=(("beta_logits", True),),
+         flags=(("use_beta_sigmoid_in_kernel", True),),
+         off=(("use_beta_sigmoid_in_kernel", False),)),
+    Case("beta-sigmoid-negeig", T=40, C=32, inputs=(("beta_logits", True),),
+         flags=(("use_beta_sigmoid_in_kernel", True), ("allow_neg_eigval", True)),
+         off=(("allow_neg_eigval", False),)),
+    Case("state-v-first-V48", T=40, K=32, V=48, inputs=(("state_v_first", True),),
+         flags=(("state_v_first", True),)),
+    Case("v-first-scale-V64", B=1, T=33, V=64, inputs=(("state_v_first", True),),
+         flags=(("state_v_first", True), ("scale", 0.3)), off=(("scale", None),), tags=_SMALL),
+    Case("no-initial-state", T=40, inputs=(("with_state", False),)),
+    Case("no-initial-state-T20", B=1, T=20, inputs=(("with_state", False),), tags=_SMALL),
+    Case("no-final-state", T=40, flags=(("output_final_state", False),)),
+    Case("scale", T=40, flags=(("scale", 0.3),), off=(("scale", None),)),
+    Case("all-flags-HV2H-c32-bf16", T=47, H=2, HV=4, K=48, V=40, C=32, dtype="bfloat16",
+         inputs=(("normalized_k", False), ("raw_gate", True), ("beta_logits", True),
+                 ("state_v_first", True)),
+         flags=(("use_qk_l2norm_in_kernel", True), ("use_gate_in_kernel", True),
+                ("A_log", True), ("dt_bias", True), ("use_beta_sigmoid_in_kernel", True),
+                ("allow_neg_eigval", True), ("state_v_first", True), ("scale", 0.2))),
+    # GPU sizes.
+    Case("big-K256-bf16", B=1, T=300, H=2, K=256, V=256, dtype="bfloat16",
+         tags=frozenset({"big"})),
+    Case("big-128-bf16", B=2, T=1000, H=4, K=128, V=128, dtype="bfloat16",
+         tags=frozenset({"big"})),
+    Case("big-128-HV2H-c32", B=1, T=500, H=2, HV=4, K=128, V=128, C=32,
+         tags=frozenset({"big"})),
+)
 
 # Relative RMS and max-abs (scaled by the reference's max-abs) against the
 # float32 reference, per input dtype.

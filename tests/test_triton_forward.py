@@ -20,86 +20,54 @@ from kda_jax.bounds import SeqBounds, packed_metadata
 from kda_jax.triton import interpret_mode, unavailable_reason
 from kda_jax.triton.launch import stand_in
 from guards import no_device_reads
+from kda_jax.testing import CASES
+from reference_suite import ReferenceSuite
+from reference_suite import reference as suite_reference
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None, reason=f"Triton path unavailable: {unavailable_reason()}"
 )
 ON_GPU = not interpret_mode()
 
-# (id, make_inputs kwargs, chunk_kda kwargs)
-CASES = [
-    ("plain-fp32", dict(T=70, K=32, V=32), dict()),
-    ("plain-bf16-c32", dict(T=70, K=32, V=48, dtype=jnp.bfloat16), dict(chunk_size=32)),
-    ("awkward-KV-gva", dict(B=2, T=45, H=1, HV=2, K=60, V=100), dict()),
-    ("gva4-c32", dict(T=40, H=1, HV=4, K=32, V=32), dict(chunk_size=32)),
-    ("l2norm-sigmoid-neg", dict(T=50, K=32, V=32, normalized_k=False, beta_logits=True),
-     dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)),
-    ("gate-softplus", dict(T=66, K=32, V=32, raw_gate=True),
-     dict(use_gate_in_kernel=True, with_gate=True)),
-    ("gate-lower-bound", dict(T=66, K=32, V=32, raw_gate=True),
-     dict(use_gate_in_kernel=True, with_gate=True, lower_bound=-5.0)),
-    ("v-first-scale", dict(T=33, K=32, V=64, state_v_first=True),
-     dict(state_v_first=True, scale=0.3)),
-    ("extreme-gates", dict(T=80, K=32, V=32, gate_floor=-1000.0), dict()),
-    ("no-state", dict(T=20, K=32, V=32, with_state=False), dict()),
-    # K > 64 with float32 intermediates (interpret mode's, and float32 inputs'
-    # on a GPU): the state kernel holds the state as two K halves
-    # (forward.split_state_k), the upper one masked at K = 100.
-    ("split-K100-v-first", dict(T=70, K=100, V=24, state_v_first=True),
-     dict(state_v_first=True)),
-    ("split-K128-c32", dict(T=45, H=1, K=128, V=16), dict(chunk_size=32)),
-]
-if ON_GPU:
-    CASES += [
-        ("big-K256", dict(T=300, H=2, K=256, V=256, dtype=jnp.bfloat16), dict()),
-        ("big-128", dict(B=2, T=1000, H=4, K=128, V=128, dtype=jnp.bfloat16), dict()),
-        ("big-128-fp32-c32", dict(T=500, H=2, HV=4, K=128, V=128), dict(chunk_size=32)),
-    ]
 
 
-def _dtype_name(x):
-    return jnp.dtype(x.dtype).name
+class TestTriton(ReferenceSuite):
+    """The Triton path (tests/reference_suite.py): every case on a GPU, the
+    interpreter's small ones without one (chunk_kda only there: the decode
+    kernel's token loop takes minutes a case in the interpreter, whose decode
+    cases are tests/test_triton_recurrent.py's). Its final states meet the
+    input dtype's bar: 16-bit intermediates (w, u, qg, kt) round the state's
+    updates."""
 
+    implementation = "triton"
 
-def _run(x, kw, impl, **extra):
-    kw = dict(kw)
-    with_gate = kw.pop("with_gate", False)
-    gate = dict(A_log=x.A_log, dt_bias=x.dt_bias) if with_gate else {}
-    return impl(*x.args(), initial_state=x.initial_state, output_final_state=True,
-                **gate, **kw, **extra)
+    @classmethod
+    def takes(cls, case) -> bool:
+        return ON_GPU or "interpret" in case.tags
 
+    @classmethod
+    def takes_recurrent(cls, case) -> bool:
+        return ON_GPU
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_forward_matches_reference(case, check_close):
-    _, make_kw, call_kw = case
-    x = testing.make_inputs(3, **make_kw)
-    o, s = _run(x, call_kw, kda_jax.chunk_kda, implementation="triton")
-    ref_kw = {k: v for k, v in call_kw.items() if k != "chunk_size"}
-    ro, rs = _run(x, ref_kw, reference.naive_recurrent_kda)
-    assert o.dtype == x.q.dtype and s.dtype == jnp.float32
-    name = _dtype_name(x.q)
-    if make_kw.get("gate_floor") is not None and name == "float32":
-        name = "float32-extreme-gates"
-    check_close(o, ro, name, "o")
-    check_close(s, rs, name, "final_state")
+    @classmethod
+    def state_tolerance(cls, case) -> str:
+        return case.dtype
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the AMD configs' product precisions need a GPU")
 @pytest.mark.parametrize("arch", ["gfx950", "gfx1250", "gfx942"])
-@pytest.mark.parametrize("case", [c for c in CASES if c[0].startswith(("big-", "gate-", "l2norm"))],
-                         ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [c for c in CASES if c.id.startswith(("big-", "gate-", "l2norm"))],
+                         ids=str)
 def test_amd_configs_forward_on_this_gpu(arch, case, check_close):
     """An AMD arch's forward config (tiles, warps, bf16 / split-bf16 products)
     forced on this GPU meets the same bars as this device's own."""
-    _, make_kw, call_kw = case
-    x = testing.make_inputs(3, **make_kw)
-    chunk = call_kw.get("chunk_size", 64)
-    with configs.override(configs.forward_config(arch, chunk)):
-        o, s = _run(x, call_kw, kda_jax.chunk_kda, implementation="triton")
-    ref_kw = {k: v for k, v in call_kw.items() if k != "chunk_size"}
-    ro, rs = _run(x, ref_kw, reference.naive_recurrent_kda)
-    check_close(o, ro, _dtype_name(x.q), f"o {arch}", kind="o")
-    check_close(s, rs, _dtype_name(x.q), f"final_state {arch}", kind="final_state")
+    x, ro, rs = suite_reference(case)
+    with configs.override(configs.forward_config(arch, case.C)):
+        o, s = kda_jax.chunk_kda(*x.args(), chunk_size=case.C, implementation="triton",
+                                 **case.kwargs(x))
+    check_close(o, ro, case.tolerance("o"), f"o {arch}", kind="o")
+    if rs is not None:
+        check_close(s, rs, case.dtype, f"final_state {arch}", kind="final_state")
 
 
 @pytest.mark.parametrize("chunk_size", [32, 64])

@@ -1,174 +1,33 @@
 """The XLA paths (chunk_kda, fused_recurrent_kda) against the float32 reference.
 
-A covering set of cases, not the cartesian product: awkward shapes (T not a
-multiple of the chunk, K/V not powers of two, HV = H/2H/4H, B > 1), every
-flag, fp32/bf16/fp16 inputs. The reference itself is checked against a
-float64 NumPy transcription of docs/kda.md sections 1-2 that shares no code with
-the library (the reference and the XLA path share kda_jax.transforms).
+The cases are kda_jax.testing.CASES (awkward shapes, every flag, fp32/bf16/fp16
+inputs), run by the suite every backend runs (tests/reference_suite.py). The
+reference itself is checked against a float64 NumPy transcription of
+docs/kda.md sections 1-2 that shares no code with the library (the reference
+and the XLA path share kda_jax.transforms).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import zlib
-
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kda_jax
-from kda_jax.testing import assert_close, make_inputs
-
-F32, BF16, F16 = np.float32, jnp.bfloat16, np.float16
-DTYPE_NAMES = {F32: "float32", BF16: "bfloat16", F16: "float16"}
+from kda_jax.testing import CASES, assert_close, make_inputs
+from reference_suite import ReferenceSuite, reference
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    B: int = 2
-    T: int = 45
-    H: int = 2
-    HV: int | None = None
-    K: int = 32
-    V: int = 32
-    C: int = 64
-    dtype: type = F32
-    inputs: tuple = ()  # make_inputs keyword arguments, as (name, value) pairs
-    flags: tuple = ()  # API keyword arguments (A_log / dt_bias: True to pass make_inputs')
-    # API keyword arguments that switch the case's feature off: the reference
-    # with them must differ from the reference with the feature (so the case
-    # really exercises it).
-    off: tuple | None = None
+class TestXla(ReferenceSuite):
+    """The XLA path on every case but the GPU sizes (tests/reference_suite.py)."""
 
-    def __str__(self):
-        return self.id
-
-
-GATE = (("raw_gate", True),)
-CASES = [
-    # Shapes, default flags.
-    Case("T1-K32", B=1, T=1),
-    Case("T17-B2-HV2H-K60-V40-c32", B=2, T=17, H=2, HV=4, K=60, V=40, C=32),
-    Case("T63-HV4H-V48-bf16", B=1, T=63, H=2, HV=8, K=32, V=48, dtype=BF16),
-    Case("T65-B2-K60-V60", B=2, T=65, H=2, K=60, V=60),
-    Case("T65-B2-K60-V60-c32-bf16", B=2, T=65, H=2, K=60, V=60, C=32, dtype=BF16),
-    Case("T100-K100-V128-HV2H-c32-bf16", B=1, T=100, H=1, HV=2, K=100, V=128, C=32, dtype=BF16),
-    Case("T130-K128-V100", B=1, T=130, H=1, K=128, V=100),
-    Case("T70-HV2H-c32-f16", B=2, T=70, H=1, HV=2, K=48, V=32, C=32, dtype=F16),
-    Case("T150-gate-1000", B=2, T=150, K=32, V=32, inputs=(("gate_floor", -1000.0),)),
-    # Flags.
-    Case("l2norm", T=65, C=32, inputs=(("normalized_k", False),),
-         flags=(("use_qk_l2norm_in_kernel", True),), off=(("use_qk_l2norm_in_kernel", False),)),
-    Case("l2norm-HV2H-bf16", T=33, H=1, HV=2, dtype=BF16, inputs=(("normalized_k", False),),
-         flags=(("use_qk_l2norm_in_kernel", True),), off=(("use_qk_l2norm_in_kernel", False),)),
-    Case("gate-Alog-dtbias", T=65, inputs=GATE,
-         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True)),
-         off=(("dt_bias", None),)),
-    Case("gate-Alog-c32-bf16", T=40, C=32, dtype=BF16, inputs=GATE,
-         flags=(("use_gate_in_kernel", True), ("A_log", True)),
-         off=(("lower_bound", -1.0),)),
-    Case("gate-lb5-Alog-dtbias", T=50, inputs=GATE,
-         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True),
-                ("lower_bound", -5.0)),
-         off=(("A_log", None),)),
-    Case("gate-lb1-dtbias", T=50, C=32, H=1, HV=2, inputs=GATE,
-         flags=(("use_gate_in_kernel", True), ("dt_bias", True), ("lower_bound", -1.0)),
-         off=(("dt_bias", None),)),
-    Case("gate-lb1-Alog", T=50, inputs=GATE,
-         flags=(("use_gate_in_kernel", True), ("A_log", True), ("lower_bound", -1.0)),
-         off=(("lower_bound", -5.0),)),
-    Case("gate-lb5-bare-bf16", T=50, dtype=BF16, inputs=GATE,
-         flags=(("use_gate_in_kernel", True), ("lower_bound", -5.0)),
-         off=(("lower_bound", -1.0),)),
-    Case("beta-sigmoid", T=40, inputs=(("beta_logits", True),),
-         flags=(("use_beta_sigmoid_in_kernel", True),),
-         off=(("use_beta_sigmoid_in_kernel", False),)),
-    Case("beta-sigmoid-negeig", T=40, C=32, inputs=(("beta_logits", True),),
-         flags=(("use_beta_sigmoid_in_kernel", True), ("allow_neg_eigval", True)),
-         off=(("allow_neg_eigval", False),)),
-    Case("state-v-first-V48", T=40, K=32, V=48, inputs=(("state_v_first", True),),
-         flags=(("state_v_first", True),)),
-    Case("no-initial-state", T=40, inputs=(("with_state", False),)),
-    Case("no-final-state", T=40, flags=(("output_final_state", False),)),
-    Case("scale", T=40, flags=(("scale", 0.3),), off=(("scale", None),)),
-    Case("all-flags-HV2H-c32-bf16", T=47, H=2, HV=4, K=48, V=40, C=32, dtype=BF16,
-         inputs=(("normalized_k", False), ("raw_gate", True), ("beta_logits", True),
-                 ("state_v_first", True)),
-         flags=(("use_qk_l2norm_in_kernel", True), ("use_gate_in_kernel", True),
-                ("A_log", True), ("dt_bias", True), ("use_beta_sigmoid_in_kernel", True),
-                ("allow_neg_eigval", True), ("state_v_first", True), ("scale", 0.2))),
-]
-
-
-def _call_kwargs(case: Case, x, overrides=()):
-    kw = dict(initial_state=x.initial_state, output_final_state=True)
-    for name, value in case.flags + tuple(overrides):
-        if name in ("A_log", "dt_bias") and value is True:
-            value = getattr(x, name)
-        kw[name] = value
-    return kw
-
-
-_REFERENCE: dict[str, tuple] = {}
-
-
-def _reference(case: Case):
-    """(inputs, reference o, reference final), computed once per case."""
-    if case.id not in _REFERENCE:
-        x = make_inputs(
-            zlib.crc32(case.id.encode()), B=case.B, T=case.T, H=case.H, HV=case.HV, K=case.K,
-            V=case.V, dtype=case.dtype, **dict(case.inputs),
-        )
-        o, final = kda_jax.naive_recurrent_kda(*x.args(), **_call_kwargs(case, x))
-        _REFERENCE[case.id] = (x, np.asarray(o), None if final is None else np.asarray(final))
-    return _REFERENCE[case.id]
-
-
-def _tolerance(case: Case, quantity: str) -> str:
-    """The testing.TOLERANCES entry: by input dtype for o, float32 for the state (it
-    is float32 computed from the same input values and never rounded); gates of
-    -1000 use the documented float32-extreme-gates entry (chunk-local cumsums of
-    ~-1e4 cost the float32 differences G_i - G_j about 1e-4 relative)."""
-    name = DTYPE_NAMES[case.dtype] if quantity == "o" else "float32"
-    if name == "float32" and "gate_floor" in dict(case.inputs):
-        name = "float32-extreme-gates"
-    return name
-
-
-@pytest.mark.parametrize("impl", ["chunk", "recurrent"])
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_reference(case: Case, impl, check_close):
-    x, ref_o, ref_final = _reference(case)
-    kw = _call_kwargs(case, x)
-    if impl == "chunk":
-        o, final = kda_jax.chunk_kda(*x.args(), chunk_size=case.C, implementation="xla", **kw)
-    else:
-        o, final = kda_jax.fused_recurrent_kda(*x.args(), implementation="xla", **kw)
-
-    hv = case.HV or case.H
-    assert o.shape == (case.B, case.T, hv, case.V)
-    assert o.dtype == x.q.dtype
-    # The case is not trivial: the reference output varies.
-    assert np.std(ref_o) > 1e-2
-    check_close(o, ref_o, _tolerance(case, "o"), f"o {impl}")
-
-    if not kw["output_final_state"]:
-        assert final is None and ref_final is None
-        return
-    state_shape = (case.B, hv, case.V, case.K) if kw.get("state_v_first") else (case.B, hv, case.K, case.V)
-    assert final.shape == state_shape
-    assert final.dtype == jnp.float32
-    if x.initial_state is not None:
-        assert not np.allclose(ref_final, x.initial_state, atol=1e-2)
-    check_close(final, ref_final, _tolerance(case, "final"), f"final {impl}")
+    implementation = "xla"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.off is not None], ids=str)
-def test_feature_changes_the_reference(case: Case):
+def test_feature_changes_the_reference(case):
     """Each flag case exercises its flag: switching it off changes the answer."""
-    x, ref_o, _ = _reference(case)
-    o_off, _ = kda_jax.naive_recurrent_kda(*x.args(), **_call_kwargs(case, x, case.off))
+    x, ref_o, _ = reference(case)
+    o_off, _ = kda_jax.naive_recurrent_kda(*x.args(), **case.kwargs(x, case.off))
     assert not np.allclose(np.asarray(o_off), ref_o, rtol=1e-2, atol=1e-3)
 
 
