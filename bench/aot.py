@@ -255,7 +255,8 @@ def _segment_launch_for(kernel: str, target: str, spec: Spec):
                   "kda_fwd_state_output_seg"):
         config = forward_config(target, spec.chunk)
         work = work_dtype(in_dtype)
-        state, chain = segmented_launches(config=config, work=work, **shape)
+        state, chain = segmented_launches(config=config, work=work, input_dtype=in_dtype,
+                                          **shape)
         launch = {"kda_segment_map_kernel": chain.map, "kda_segment_fold_kernel": chain.fold,
                   "kda_fwd_state_output_seg": state}[kernel]
     else:

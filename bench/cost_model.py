@@ -43,9 +43,10 @@ kernel's error; ``--fit REV`` fits to those trees only (the others are predictio
 ``--tree`` compiles another source tree (``git archive REV kda_jax``; ``kda_jax kernels``
 for a revision with the kernels outside the package) beside the working tree, kernel by
 kernel: the comparison shows what moved the estimate.
-``--variant FIELD=VALUE[+backward.FIELD=VALUE...]`` models the working tree with those
-fields of its sm90 ForwardConfig / BackwardConfig changed (as bench.sweep's
-``triton:FIELD=VALUE`` rows time them): a config change's estimate before its timing.
+``--variant PATH=VALUE[+backward.PATH=VALUE...]`` models the working tree with those
+values of its sm90 ForwardConfig / BackwardConfig changed (paths as
+kda_jax.configs.replace takes them, as bench.sweep's ``triton:PATH=VALUE`` rows time
+them): a config change's estimate before its timing.
 Untaken code: a tree whose kernels branch on the data (before 05e146c) runs only some of
 its code on a given input; ``--untaken TREE=FILE:LINE`` names a `for` line (that loop runs
 no trip) or a function's `def` line (its inlined code and loops count nothing).
@@ -667,7 +668,7 @@ def main(argv=None):
     p.add_argument("--tree", action="append", default=[],
                    help="another source tree (git archive REV kda_jax [kernels]) to model")
     p.add_argument("--variant", action="append", default=[],
-                   help="FIELD=VALUE[+backward.FIELD=VALUE]: the working tree with these sm90 "
+                   help="PATH=VALUE[+backward.PATH=VALUE]: the working tree with these sm90 "
                         "config fields changed (repeatable)")
     p.add_argument("--spec", default="main/c64/default", choices=SPECS,
                    help="the bench.aot spec to compile (K = V = 128, chunk 64): "

@@ -229,7 +229,7 @@ def main(argv=None):
     p.add_argument("--tree", action="append", default=[],
                    help="another source tree (git archive REV kda_jax) to model")
     p.add_argument("--variant", action="append", default=[],
-                   help="FIELD=VALUE[+backward.FIELD=VALUE]: the working tree with the "
+                   help="PATH=VALUE[+backward.PATH=VALUE]: the working tree with the "
                         "target's config fields changed (repeatable)")
     p.add_argument("--kernels", default=",".join(cm.FORWARD + cm.BACKWARD))
     p.add_argument("--overlap", type=float, default=2.75,

@@ -84,9 +84,10 @@ def implementation(impl: str, segment_chunks: int | None = None):
     if impl == "triton-noseg":
         return "triton", configs.override(configs.SegmentConfig())
     if impl == "triton-seq":
-        always = configs.SegmentRule(min_programs=2**31 - 1)
-        rule = dataclasses.replace(configs.segment_config(), forward=always, backward=always,
-                                   segment_chunks=segment_chunks)
+        cfg = configs.segment_config()
+        always = lambda rule: dataclasses.replace(rule, min_programs=2**31 - 1)
+        rule = dataclasses.replace(cfg, forward=always(cfg.forward),
+                                   backward=always(cfg.backward), segment_chunks=segment_chunks)
         return "triton", configs.override(rule)
     return impl, contextlib.nullcontext()
 
@@ -132,7 +133,7 @@ def _check_paths(fields: dict):
             try:
                 configs.replace(base[owner], path, value)
             except (ValueError, TypeError) as e:
-                raise ValueError(f"{owner}.{path}={value!r}: {e}") from None
+                raise ValueError(f"{owner} config: {e}") from None
 
 
 _OWNERS = ("forward", "backward", "segment")
@@ -151,7 +152,7 @@ def _changed_configs(changes: str):
             try:
                 changed[owner] = configs.replace(changed[owner], path, value)
             except (ValueError, TypeError) as e:
-                raise ValueError(f"{owner}.{path}={value!r}: {e}") from None
+                raise ValueError(f"{owner} config: {e}") from None
     return _under(changed["forward"], changed["backward"], changed["segment"])
 
 

@@ -178,8 +178,9 @@ CASES = (
                 ("A_log", True), ("dt_bias", True), ("use_beta_sigmoid_in_kernel", True),
                 ("allow_neg_eigval", True), ("state_v_first", True), ("scale", 0.2))),
     # GPU sizes.
+    # K = 256 at scale 0.25 (K^-0.5 = 1/16 leaves o's spread under the suite's 1e-2 floor).
     Case("big-K256-bf16", B=1, T=300, H=2, K=256, V=256, dtype="bfloat16",
-         tags=frozenset({"big"})),
+         flags=(("scale", 0.25),), tags=frozenset({"big"})),
     Case("big-128-bf16", B=2, T=1000, H=4, K=128, V=128, dtype="bfloat16",
          tags=frozenset({"big"})),
     Case("big-128-HV2H-c32", B=1, T=500, H=2, HV=4, K=128, V=128, C=32,

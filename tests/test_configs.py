@@ -199,7 +199,7 @@ def test_replace_walks_kernels_variants_and_fields():
     for path, message in (("prepare.16bit.wraps", "PrepareConfig has no field 'wraps'"),
                           ("prepare.fp64.warps", "no variant 'fp64'; have 16bit, fp32"),
                           ("prepare.16bit", "names a variant, not a field"),
-                          ("fold.block_j.x", "has no fields"),
+                          ("fold.block_j.x", "128 has no field .x."),
                           ("prepare.16bit.warps", "warps=3 must be one of")):
         with pytest.raises(ValueError, match=message):
             configs.replace(fwd, path, 3)

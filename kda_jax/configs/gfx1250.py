@@ -8,8 +8,8 @@ from kda_jax.configs.types import (BackwardConfig, BlockConfig, DecodeConfig, Fo
 
 FORWARD_64 = ForwardConfig(
     prepare={
-        "16bit": PrepareConfig(block_k=32, warps=8, stages=1, dot="bf16x3", wu_dot="bf16", inverse_dot="bf16x3"),
-        "fp32": PrepareConfig(block_k=32, warps=8, stages=1, dot="bf16x3", wu_dot="bf16x3", inverse_dot="bf16x3")},
+        "16bit": PrepareConfig(block_k=32, warps=8, stages=1, dot="bf16x3", wu_dot="bf16", inverse_dot="bf16x3", batched_l1=True),
+        "fp32": PrepareConfig(block_k=32, warps=8, stages=1, dot="bf16x3", wu_dot="bf16x3", inverse_dot="bf16x3", batched_l1=True)},
     state={
         "16bit": StateConfig(block_v=32, warps=4, stages=2),
         "16bit_wide": StateConfig(block_v=32, warps=4, stages=1),
@@ -23,8 +23,8 @@ FORWARD_32 = FORWARD_64
 
 BACKWARD_64 = BackwardConfig(
     recompute={
-        "16bit": PrepareConfig(block_k=32, warps=8, stages=1, dot="bf16x3", wu_dot="bf16x3", inverse_dot="bf16x3", split=True),
-        "fp32": PrepareConfig(block_k=32, warps=8, stages=1, dot="bf16x3", wu_dot="bf16x3", inverse_dot="bf16x3", split=True)},
+        "16bit": PrepareConfig(block_k=32, warps=8, stages=1, dot="bf16x3", wu_dot="bf16x3", inverse_dot="bf16x3", split=True, batched_l1=True),
+        "fp32": PrepareConfig(block_k=32, warps=8, stages=1, dot="bf16x3", wu_dot="bf16x3", inverse_dot="bf16x3", split=True, batched_l1=True)},
     state={
         "16bit": StateConfig(block_v=32, warps=4, stages=2),
         "16bit_wide": StateConfig(block_v=32, warps=4, stages=1),
@@ -40,9 +40,9 @@ BACKWARD_64 = BackwardConfig(
     wy={"bf16": BlockConfig(block_k=32, block_v=64, warps=16, dot="bf16x3"),
         "fp16": BlockConfig(block_k=32, block_v=64, warps=16, dot="bf16x3"),
         "fp32": BlockConfig(block_k=32, block_v=64, warps=16, dot="ieee")},
-    intra={"bf16": IntraConfig(block_k=16, warps=4, dot="bf16x3"),
-           "fp16": IntraConfig(block_k=16, warps=4, dot="bf16x3"),
-           "fp32": IntraConfig(block_k=16, warps=4, dot="bf16x3")},
+    intra={"bf16": IntraConfig(block_k=16, warps=4, dot="bf16x3", batched_l1=True),
+           "fp16": IntraConfig(block_k=16, warps=4, dot="bf16x3", batched_l1=True),
+           "fp32": IntraConfig(block_k=16, warps=4, dot="bf16x3", batched_l1=True)},
     fold=FoldConfig(block_j=16, warps=4, dot="bf16x3"),
     gate_fp32_max_k=256)
 

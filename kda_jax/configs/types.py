@@ -287,12 +287,14 @@ def variant_key(variants: Mapping[str, object], work: str, kd: int) -> str:
                    f"have {list(variants)}")
 
 
-def _variants(owner: str, name: str, value, kind: type, *, wide: bool,
+def _variants(owner: str, name: str, value, kind: type, *, wide: bool, exact16: bool = False,
               keys=("16bit", "16bit_wide", "bf16", "fp16", "fp16_wide", "bf16_wide", "fp32",
                     "fp32_wide")):
     """``value`` (a dict or Variants of ``kind``) as Variants, checked: every
     key known, every config a ``kind``, every dtype covered (past K = 128
-    too when ``wide``: its own variants, whose stages must be 1)."""
+    too when ``wide``: its own variants, whose stages must be 1); with
+    ``exact16``, the 16-bit variants' products "ieee" (a kernel that
+    multiplies 16-bit intermediates exactly: another mode would round them)."""
     if not isinstance(value, Mapping) or not value:
         _fail(owner, name, value, f"must be a non-empty dict of variant -> {kind.__name__}")
     for key, config in value.items():
@@ -314,6 +316,12 @@ def _variants(owner: str, name: str, value, kind: type, *, wide: bool,
                 _fail(owner, f"{name}[{key!r}].stages", value[key].stages,
                       "must be 1 (past K = 128 two stages of [BT, K] tiles outgrow shared "
                       "memory)")
+    if exact16:
+        for key, config in value.items():
+            if not key.startswith("fp32") and config.dot != "ieee":
+                _fail(owner, f"{name}[{key!r}].dot", config.dot,
+                      "must be 'ieee' (16-bit intermediates multiply exactly; the precision "
+                      "modes are for the 'fp32' variants)")
     return value if isinstance(value, Variants) else Variants(value)
 
 
@@ -340,6 +348,10 @@ class ForwardConfig:
     map: the segments' map kernel ("16bit", "fp32"): each segment's end state
       from zero and its [K, K] transition.
     fold: the fold over segments.
+    The segment kernels run at K <= 128 only (kda_jax.triton.state_chain), so
+    they have no "_wide" variants; their variant follows the inputs' dtype
+    (the interpreter's float32 intermediates with 16-bit inputs take the
+    16-bit launch, as a GPU does).
     """
 
     prepare: Mapping[str, PrepareConfig]
@@ -351,10 +363,12 @@ class ForwardConfig:
     def __post_init__(self):
         owner = "ForwardConfig"
         _set(self, "prepare", _variants(owner, "prepare", self.prepare, PrepareConfig, wide=False))
-        _set(self, "state", _variants(owner, "state", self.state, StateConfig, wide=True))
+        _set(self, "state", _variants(owner, "state", self.state, StateConfig, wide=True,
+                                      exact16=True))
         _set(self, "segment_state", _variants(owner, "segment_state", self.segment_state,
-                                              StateConfig, wide=False))
-        _set(self, "map", _variants(owner, "map", self.map, StateConfig, wide=False))
+                                              StateConfig, wide=False, exact16=True))
+        _set(self, "map", _variants(owner, "map", self.map, StateConfig, wide=False,
+                                    exact16=True))
         if not isinstance(self.fold, FoldConfig):
             _fail(owner, "fold", self.fold, "must be a FoldConfig")
 
@@ -373,7 +387,9 @@ class BackwardConfig:
     inter, wy: the state terms and the gradients through X (inter: "16bit",
       "fp32"; wy: "bf16", "fp16", "fp32", the last float32-grade).
     intra: the products' backward ("bf16", "fp16", "fp32": float16's bar is
-      2.5x tighter than bfloat16's, kda_jax.testing).
+      2.5x tighter than bfloat16's, kda_jax.testing). Its batched_l1 is
+      independent of the recompute's: either form of level 1 gives the same
+      matrices and gradients.
     fold: the transposed fold over segments (the backward's map runs at its
       state pass's launch).
     gate_fp32_max_k: with the in-kernel gate (use_gate_in_kernel), 16-bit
@@ -399,9 +415,12 @@ class BackwardConfig:
         owner = "BackwardConfig"
         _set(self, "recompute", _variants(owner, "recompute", self.recompute, PrepareConfig,
                                           wide=False))
-        _set(self, "state", _variants(owner, "state", self.state, StateConfig, wide=True))
-        _set(self, "dstate", _variants(owner, "dstate", self.dstate, StateConfig, wide=True))
-        _set(self, "inter", _variants(owner, "inter", self.inter, BlockConfig, wide=False))
+        _set(self, "state", _variants(owner, "state", self.state, StateConfig, wide=True,
+                                      exact16=True))
+        _set(self, "dstate", _variants(owner, "dstate", self.dstate, StateConfig, wide=True,
+                                       exact16=True))
+        _set(self, "inter", _variants(owner, "inter", self.inter, BlockConfig, wide=False,
+                                      exact16=True))
         _set(self, "wy", _variants(owner, "wy", self.wy, BlockConfig, wide=False))
         _set(self, "intra", _variants(owner, "intra", self.intra, IntraConfig, wide=False))
         wy32 = self.wy[variant_key(self.wy, "float32", 128)]
@@ -525,32 +544,46 @@ def replace(config, path, value=_MISSING):
     ``replace(forward, "prepare.16bit.warps", 4)``; ``*`` for every variant
     (``"prepare.*.batched_l1"``); or several at once, ``replace(forward,
     {"prepare.*.split": True, "state.16bit.stages": 2})``. A string value is
-    parsed as an int, True/False or None where it reads as one."""
-    if isinstance(path, Mapping) and value is _MISSING:
+    parsed as an int, True/False or None where it reads as one. A path that
+    names no field, or a value the config refuses, raises ValueError naming
+    the whole path."""
+    if isinstance(path, Mapping):
+        if value is not _MISSING:
+            raise TypeError(f"replace(config, {{path: value, ...}}) takes no value; got "
+                            f"value={value!r} too")
         for each, v in path.items():
             config = replace(config, each, v)
         return config
-    if value is _MISSING:
-        raise TypeError("replace(config, path, value) or replace(config, {path: value, ...})")
+    if not isinstance(path, str) or value is _MISSING:
+        raise TypeError(f"replace(config, path, value) takes a dotted path string and a value, "
+                        f"or replace(config, {{path: value, ...}}); got path={path!r}"
+                        + ("" if value is not _MISSING else " and no value"))
     if isinstance(value, str):
         value = _parse(value)
-    head, _, rest = path.partition(".")
+    try:
+        return _replace(config, path.split("."), value)
+    except ValueError as e:
+        raise ValueError(f"{path}={value!r}: {e}") from None
+
+
+def _replace(config, names: list, value):
+    head, rest = names[0], names[1:]
     if isinstance(config, Mapping):
         keys = list(config) if head == "*" else [head]
         unknown = [k for k in keys if k not in config]
         if unknown:
-            raise ValueError(f"{path!r}: no variant {unknown[0]!r}; have {', '.join(config)}")
+            raise ValueError(f"no variant {unknown[0]!r}; have {', '.join(config)}")
         if not rest:
-            raise ValueError(f"{path!r} names a variant, not a field: add the field")
-        return Variants({k: replace(v, rest, value) if k in keys else v
+            raise ValueError(f"{head!r} names a variant, not a field: add the field")
+        return Variants({k: _replace(v, rest, value) if k in keys else v
                          for k, v in config.items()})
     if not dataclasses.is_dataclass(config):
-        raise ValueError(f"{path!r}: {config!r} has no fields")
-    names = [f.name for f in dataclasses.fields(config)]
-    if head not in names:
-        raise ValueError(f"{path!r}: {type(config).__name__} has no field {head!r}; "
-                         f"fields: {', '.join(names)}")
-    new = replace(getattr(config, head), rest, value) if rest else value
+        raise ValueError(f"{config!r} has no field {head!r}")
+    names_here = [f.name for f in dataclasses.fields(config)]
+    if head not in names_here:
+        raise ValueError(f"{type(config).__name__} has no field {head!r}; fields: "
+                         f"{', '.join(names_here)}")
+    new = _replace(getattr(config, head), rest, value) if rest else value
     return dataclasses.replace(config, **{head: new})
 
 

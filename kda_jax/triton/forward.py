@@ -213,7 +213,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     tables = None
     if segments is not None and not indexed and not empty and ckpt is None:
         seg_launches = segmented_launches(h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config,
-                                          work=work,
+                                          work=work, input_dtype=q.dtype,
                                           has_initial_state=initial_state is not None)
         tables = state_chain.chain_tables(
             bounds, segments, chunk_size=bt, hv=hv, kd=kd, vd=vd, block_v=state.constexprs["BV"],
@@ -283,25 +283,31 @@ def _checkpoint_args(bounds, pool, every, indices, chunk_size: int,
 
 
 def segmented_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
-                       config: ForwardConfig, work, has_initial_state: bool
+                       config: ForwardConfig, work, input_dtype, has_initial_state: bool
                        ) -> tuple[KernelLaunch, state_chain.ChainLaunches]:
     """The forward's launches over segments: the state-output kernel (states
     K-first, every segment from a start state) at ``config.segment_state``
     where V is a multiple of its V block (else the one pass's: float32 state
     tiles at V block 64 spilled on sm90 at K = 64, and 16-bit ones with
     masked V columns at K = 100, bench.aot), and the chain's map and fold
-    (:mod:`kda_jax.triton.state_chain`). The glue launches with them and
-    :mod:`bench.aot` compiles them."""
+    (:mod:`kda_jax.triton.state_chain`). The segment kernels' variants follow
+    the inputs' dtype (``input_dtype``), so that the interpreter's float32
+    intermediates with 16-bit inputs take a GPU's 16-bit launch and
+    segments; the products' precision follows ``work``. The glue launches
+    with them and :mod:`bench.aot` compiles them."""
     seg_opts = dataclasses.replace(opts, state_v_first=False)  # states K-first inside
-    work = jnp.dtype(work).name
-    sc = config.segment_state[variant_key(config.segment_state, work, kd)]
+    work, given = jnp.dtype(work).name, jnp.dtype(input_dtype).name
+    sc = config.segment_state[variant_key(config.segment_state, given, kd)]
+    mc = config.map[variant_key(config.map, given, kd)]
+    if work != given:  # the interpreter: float32 work, 16-bit inputs
+        own = config.state[variant_key(config.state, work, kd)]
+        sc = dataclasses.replace(sc, dot=own.dot)
+        mc = dataclasses.replace(mc, dot=own.dot)
     if vd % sc.block_v:
         sc = config.state[variant_key(config.state, work, kd)]
     state = state_launch(sc, hv=hv, kd=kd, vd=vd, opts=seg_opts, work=work,
                          has_initial_state=True)
-    return state, state_chain.chain_launches(
-        state, config.map[variant_key(config.map, work, kd)], config.fold,
-        use_h0=has_initial_state)
+    return state, state_chain.chain_launches(state, mc, config.fold, use_h0=has_initial_state)
 
 
 def _segmented_state_output(p, tables, launches, initial_state, out_dtype, *, hv, kd, vd, b, t,
