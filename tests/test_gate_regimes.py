@@ -247,8 +247,8 @@ def test_split_passes_match_reference(kind, check_close, check_rel_rms):
 
     x, kw = _case(kind, jnp.dtype("float32"), GRAD_SHAPE)
     params = _params(x, kw)
-    fwd = configs.replace(configs.forward_config(), "prepare.16bit.split", True)
-    bwd = configs.replace(configs.backward_config(), "recompute.16bit.split", True)
+    fwd = configs.replace(configs.forward_config(), "prepare.*.split", True)
+    bwd = configs.replace(configs.backward_config(), "recompute.*.split", True)
     with configs.override(fwd, bwd):
         o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton")
         got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1)
@@ -259,33 +259,36 @@ def test_split_passes_match_reference(kind, check_close, check_rel_rms):
         check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
 
 
-def _batched_level1(chunk=64, split=False):
-    """configs.override with level 1 batched (PrepareConfig.batched_l1 and
-    IntraConfig.batched_l1) over 16-wide K slices (several per chunk), Aqk and
-    Akk split into a pass each or not: this arch's configs otherwise."""
+def _level1(batched: bool, chunk=64, split=False):
+    """configs.override with level 1 batched over diagonal blocks or as
+    whole-chunk products (PrepareConfig.batched_l1 and IntraConfig.batched_l1),
+    over 16-wide K slices (several per chunk), Aqk and Akk split into a pass
+    each or not: this arch's configs otherwise."""
     from kda_jax import configs
 
-    prepare = {"*.batched_l1": True, "*.block_k": 16, "*.split": split}
+    prepare = {"*.batched_l1": batched, "*.block_k": 16, "*.split": split}
     return configs.override(
         configs.replace(configs.forward_config(chunk_size=chunk),
                         {"prepare." + k: v for k, v in prepare.items()}),
         configs.replace(configs.backward_config(chunk_size=chunk),
                         {"recompute." + k: v for k, v in prepare.items()}
-                        | {"intra.*.batched_l1": True, "intra.*.block_k": 16}))
+                        | {"intra.*.batched_l1": batched, "intra.*.block_k": 16}))
 
 
-@pytest.mark.parametrize("kind,split,chunk", [("gate", False, 64), ("plain", False, 64),
-                                              ("gate", True, 64), ("plain", True, 32)])
-def test_batched_level1_matches_reference(kind, split, chunk, check_close, check_rel_rms):
+@pytest.mark.parametrize("kind,split,chunk,batched", [
+    ("gate", False, 64, True), ("plain", False, 64, False), ("gate", True, 64, False),
+    ("plain", True, 32, True)])
+def test_level1_forms_match_reference(kind, split, chunk, batched, check_close, check_rel_rms):
     """The two-level products with level 1 batched over 16-row diagonal
-    blocks (batched_l1 of the forward's prepare, the
-    backward's recompute and intra kernel), in one pass and in the split
-    passes, over 16-wide K slices (several per chunk), at chunk 64 and 32:
-    o, the final state and every gradient against the float32 reference,
-    float32 inputs, steep gates."""
+    blocks (every arch's chunk-64 form) or as whole-chunk products masked to
+    its pairs (sm90's chunk-32 form), in the forward's prepare, the backward's
+    recompute and intra kernel, in one pass and in the split passes, over
+    16-wide K slices (several per chunk), at chunk 64 and 32: o, the final
+    state and every gradient against the float32 reference, float32 inputs,
+    steep gates."""
     x, kw = _case(kind, jnp.dtype("float32"), GRAD_SHAPE)
     params = _params(x, kw)
-    with _batched_level1(chunk, split):
+    with _level1(batched, chunk, split):
         o, s = _call(kda_jax.chunk_kda, params, kw, implementation="triton", chunk_size=chunk)
         got, ref = _grads_and_reference(params, kw, GRAD_SHAPE, seed=1, chunk_size=chunk)
     ro, rs = _call(kda_jax.naive_recurrent_kda, params, kw)
@@ -295,17 +298,16 @@ def test_batched_level1_matches_reference(kind, split, chunk, check_close, check
         check_rel_rms(got[n], r, GRAD_TOL, f"d{n}")
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["", "batched-l1"])
+@pytest.mark.parametrize("batched", [False, True], ids=["whole-chunk-l1", "batched-l1"])
 @pytest.mark.parametrize("field", ["k", "q"])
 def test_nonfinite_stays_causal(field, batched):
     """A NaN in k (q) at token 20 of a chunk with strong gates: outputs before it
     (and the gradients there, with its outputs' cotangents zero) are
     bit-identical to the run with a zero there; o from token 20 on (at token
-    20 only) is NaN (tests/test_nonfinite.py's contract on mild gates); also
-    with level 1 batched (its non-finite rows reduced per K slice)."""
-    import contextlib
-
-    with _batched_level1() if batched else contextlib.nullcontext():
+    20 only) is NaN (tests/test_nonfinite.py's contract on mild gates); with
+    level 1 in either form (batched: its non-finite rows reduced per K
+    slice)."""
+    with _level1(batched):
         _nonfinite_stays_causal(field)
 
 

@@ -246,30 +246,40 @@ def test_triton_segmented_pass_with_its_own_v_block(check_close):
     check_close(f, rf, "bfloat16", "final_state")
 
 
-def test_segmented_pass_v_block_only_for_whole_16_bit_blocks():
+def test_segmented_pass_takes_its_own_launch_for_whole_blocks():
     """The segmented pass takes ForwardConfig.segment_state where V is a
     multiple of its V block (masked V columns keep the one pass's: they
-    spilled at 64 on sm90), the map its own config, and the backward's map
-    its state pass's launch."""
+    spilled at 64 on sm90), by the inputs' dtype (the interpreter's float32
+    intermediates with 16-bit inputs take the 16-bit launch, at float32's
+    product precision), the map its own config, and the backward's map its
+    state pass's launch."""
     from kda_jax.options import KdaOptions
     from kda_jax.triton.forward import segmented_launches
 
     fwd = configs.FORWARD["sm90"]
-    for path, value in (("segment_state.*.block_v", 64), ("segment_state.*.warps", 2),
-                        ("map.*.block_v", 64), ("map.*.stages", 2)):
+    for path, value in (("segment_state.16bit.block_v", 64), ("segment_state.16bit.warps", 2),
+                        ("segment_state.fp32.block_v", 32), ("segment_state.fp32.warps", 8),
+                        ("map.16bit.block_v", 64), ("map.16bit.stages", 2),
+                        ("map.fp32.block_v", 32), ("map.fp32.stages", 1)):
         fwd = configs.replace(fwd, path, value)
 
-    def launch(work, vd):
+    def launch(given, work, vd):
         state, chain = segmented_launches(
-            h=4, hv=4, kd=128, vd=vd, opts=KdaOptions(scale=0.1), config=fwd, work=work,
+            h=4, hv=4, kd=128 if work == jnp.bfloat16 else 64, vd=vd,
+            opts=KdaOptions(scale=0.1), config=fwd, work=work, input_dtype=given,
             has_initial_state=False)
         return (state.constexprs["BV"], state.num_warps, chain.map.constexprs["BV"],
-                chain.map.num_stages)
+                chain.map.num_stages, chain.map.constexprs["DOT"])
 
-    assert launch(jnp.bfloat16, 128) == (64, 2, 64, 2)
-    assert launch(jnp.bfloat16, 96) == (fwd.state["16bit"].block_v, fwd.state["16bit"].warps,
-                                        64, 2)
-    assert launch(jnp.float32, 128) == (64, 2, 64, 2)
+    assert launch(jnp.bfloat16, jnp.bfloat16, 128) == (64, 2, 64, 2, "ieee")
+    assert launch(jnp.bfloat16, jnp.bfloat16, 96) == (
+        fwd.state["16bit"].block_v, fwd.state["16bit"].warps, 64, 2, "ieee")
+    from kda_jax.triton.launch import dot_precision
+    assert launch(jnp.float32, jnp.float32, 128) == (32, 8, 32, 1,
+                                                      dot_precision(fwd.map["fp32"].dot))
+    # The interpreter: float32 work with 16-bit inputs.
+    assert launch(jnp.bfloat16, jnp.float32, 128) == (64, 2, 64, 2,
+                                                       dot_precision(fwd.state["fp32"].dot))
     from kda_jax.triton.backward import segmented_backward_launches
     bwd = configs.BACKWARD["sm90"]
     L = segmented_backward_launches(h=4, hv=4, kd=128, vd=128, opts=KdaOptions(scale=0.1),
