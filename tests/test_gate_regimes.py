@@ -276,16 +276,17 @@ def _level1(batched: bool, chunk=64, split=False):
 
 
 @pytest.mark.parametrize("kind,split,chunk,batched", [
-    ("gate", False, 64, True), ("plain", False, 64, False), ("gate", True, 64, False),
-    ("plain", True, 32, True)])
+    ("gate", False, 64, True), ("plain", False, 64, False), ("gate", True, 64, True),
+    ("plain", True, 32, False)])
 def test_level1_forms_match_reference(kind, split, chunk, batched, check_close, check_rel_rms):
     """The two-level products with level 1 batched over 16-row diagonal
-    blocks (every arch's chunk-64 form) or as whole-chunk products masked to
-    its pairs (sm90's chunk-32 form), in the forward's prepare, the backward's
-    recompute and intra kernel, in one pass and in the split passes, over
-    16-wide K slices (several per chunk), at chunk 64 and 32: o, the final
-    state and every gradient against the float32 reference, float32 inputs,
-    steep gates."""
+    blocks (every arch's chunk-64 form, in one pass and in the split passes
+    of sm90's float32 inputs and gfx950's 16-bit ones) or as whole-chunk
+    products masked to its pairs (sm90's chunk-32 form, its split passes at
+    chunk 32), in the forward's prepare, the backward's recompute and intra
+    kernel, over 16-wide K slices (several per chunk): o, the final state
+    and every gradient against the float32 reference, float32 inputs, steep
+    gates."""
     x, kw = _case(kind, jnp.dtype("float32"), GRAD_SHAPE)
     params = _params(x, kw)
     with _level1(batched, chunk, split):

@@ -257,7 +257,9 @@ def test_segmented_pass_takes_its_own_launch_for_whole_blocks():
     from kda_jax.triton.forward import segmented_launches
 
     fwd = configs.FORWARD["sm90"]
-    for path, value in (("segment_state.16bit.block_v", 64), ("segment_state.16bit.warps", 2),
+    # tf32x3: a precision the interpreter keeps (bf16x3 runs as ieee there).
+    for path, value in (("state.fp32.dot", "tf32x3"), ("map.fp32.dot", "tf32x3"),
+                        ("segment_state.16bit.block_v", 64), ("segment_state.16bit.warps", 2),
                         ("segment_state.fp32.block_v", 32), ("segment_state.fp32.warps", 8),
                         ("map.16bit.block_v", 64), ("map.16bit.stages", 2),
                         ("map.fp32.block_v", 32), ("map.fp32.stages", 1)):
@@ -269,17 +271,15 @@ def test_segmented_pass_takes_its_own_launch_for_whole_blocks():
             opts=KdaOptions(scale=0.1), config=fwd, work=work, input_dtype=given,
             has_initial_state=False)
         return (state.constexprs["BV"], state.num_warps, chain.map.constexprs["BV"],
-                chain.map.num_stages, chain.map.constexprs["DOT"])
+                chain.map.num_stages, chain.map.constexprs["DOT"], state.constexprs["DOT"])
 
-    assert launch(jnp.bfloat16, jnp.bfloat16, 128) == (64, 2, 64, 2, "ieee")
+    assert launch(jnp.bfloat16, jnp.bfloat16, 128) == (64, 2, 64, 2, "ieee", "ieee")
     assert launch(jnp.bfloat16, jnp.bfloat16, 96) == (
-        fwd.state["16bit"].block_v, fwd.state["16bit"].warps, 64, 2, "ieee")
-    from kda_jax.triton.launch import dot_precision
-    assert launch(jnp.float32, jnp.float32, 128) == (32, 8, 32, 1,
-                                                      dot_precision(fwd.map["fp32"].dot))
-    # The interpreter: float32 work with 16-bit inputs.
-    assert launch(jnp.bfloat16, jnp.float32, 128) == (64, 2, 64, 2,
-                                                       dot_precision(fwd.state["fp32"].dot))
+        fwd.state["16bit"].block_v, fwd.state["16bit"].warps, 64, 2, "ieee", "ieee")
+    assert launch(jnp.float32, jnp.float32, 128) == (32, 8, 32, 1, "tf32x3", "ieee")
+    # The interpreter: float32 work with 16-bit inputs takes the 16-bit launch at
+    # float32's product precision (the segment state's "fp32" dot is ieee here).
+    assert launch(jnp.bfloat16, jnp.float32, 128) == (64, 2, 64, 2, "tf32x3", "tf32x3")
     from kda_jax.triton.backward import segmented_backward_launches
     bwd = configs.BACKWARD["sm90"]
     L = segmented_backward_launches(h=4, hv=4, kd=128, vd=128, opts=KdaOptions(scale=0.1),
