@@ -191,9 +191,9 @@ def test_replace_walks_kernels_variants_and_fields():
     fwd = configs.FORWARD["sm90"]
     one = configs.replace(fwd, "prepare.16bit.warps", 4)
     assert one.prepare["16bit"].warps == 4 and one.prepare["fp32"] == fwd.prepare["fp32"]
-    every = configs.replace(fwd, "prepare.*.batched_l1", "True")
+    every = configs.replace(fwd, "prepare.*.batched_l1", True)
     assert all(c.batched_l1 for c in every.prepare.values())
-    assert configs.replace(fwd, "fold.block_j", "16").fold.block_j == 16
+    assert configs.replace(fwd, "fold.block_j", 16).fold.block_j == 16
     seg = configs.replace(configs.SEGMENTS["sm90"], "backward.min_programs", 0)
     assert seg.backward.min_programs == 0 and seg.forward == configs.SEGMENTS["sm90"].forward
     for path, message in (("prepare.16bit.wraps", "PrepareConfig has no field 'wraps'"),

@@ -21,8 +21,7 @@ from kda_jax.triton import interpret_mode, unavailable_reason
 from kda_jax.triton.launch import stand_in
 from guards import no_device_reads
 from kda_jax.testing import CASES
-from reference_suite import ReferenceSuite
-from reference_suite import reference as suite_reference
+from reference_suite import ReferenceSuite, reference as suite_reference
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None, reason=f"Triton path unavailable: {unavailable_reason()}"

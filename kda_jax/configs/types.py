@@ -240,10 +240,12 @@ class Variants(Mapping[str, C], Generic[C]):
     """One kernel's configs by variant: an immutable, hashable mapping (so a
     family config can key the jit cache). Built from a dict."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_hash")
 
     def __init__(self, configs: Mapping[str, C]):
         self._items = tuple(configs.items())
+        # Family configs are hashed on every traced call (the jit cache key).
+        self._hash = hash(tuple(sorted(self._items, key=lambda kv: kv[0])))
 
     def __getitem__(self, key: str) -> C:
         for k, v in self._items:
@@ -258,7 +260,7 @@ class Variants(Mapping[str, C], Generic[C]):
         return len(self._items)
 
     def __hash__(self) -> int:
-        return hash(tuple(sorted(self._items, key=lambda kv: kv[0])))
+        return self._hash
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Mapping) and dict(self) == dict(other)
@@ -523,18 +525,6 @@ class SegmentConfig:
 # --------------------------------------------------------------------------- #
 
 
-def _parse(value: str):
-    """A field value as text: an int, True/False, None or a string."""
-    if value in ("True", "False"):
-        return value == "True"
-    if value == "None":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        return value
-
-
 _MISSING = object()
 
 
@@ -543,10 +533,9 @@ def replace(config, path, value=_MISSING):
     through the family's kernels, variants and fields, e.g.
     ``replace(forward, "prepare.16bit.warps", 4)``; ``*`` for every variant
     (``"prepare.*.batched_l1"``); or several at once, ``replace(forward,
-    {"prepare.*.split": True, "state.16bit.stages": 2})``. A string value is
-    parsed as an int, True/False or None where it reads as one. A path that
-    names no field, or a value the config refuses, raises ValueError naming
-    the whole path."""
+    {"prepare.*.split": True, "state.16bit.stages": 2})``. Values are taken as
+    given (bench.sweep reads them from text). A path that names no field, or a
+    value the config refuses, raises ValueError naming the whole path."""
     if isinstance(path, Mapping):
         if value is not _MISSING:
             raise TypeError(f"replace(config, {{path: value, ...}}) takes no value; got "
@@ -558,8 +547,6 @@ def replace(config, path, value=_MISSING):
         raise TypeError(f"replace(config, path, value) takes a dotted path string and a value, "
                         f"or replace(config, {{path: value, ...}}); got path={path!r}"
                         + ("" if value is not _MISSING else " and no value"))
-    if isinstance(value, str):
-        value = _parse(value)
     try:
         return _replace(config, path.split("."), value)
     except ValueError as e:

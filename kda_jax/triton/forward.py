@@ -61,12 +61,10 @@ def split_state_k(work, kd: int) -> bool:
 def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                      config: ForwardConfig, work, has_a_log: bool, has_dt_bias: bool,
                      has_initial_state: bool, indexed_state: bool = False,
-                     store_x: bool = False,
                      checkpoint_chunks: int = 0) -> tuple[KernelLaunch, KernelLaunch]:
     """The (prepare, state_output) launches for these shapes, options and
     config; ``work`` is the intermediates' dtype (:func:`work_dtype`);
     ``indexed_state``: states are read from and written to a pool's rows;
-    ``store_x``: the prepare kernel also writes X = (I + L)^-1 (the backward);
     ``checkpoint_chunks``: the state pass stores the state at the start of
     every this-many-th chunk (prefill checkpoints; 0: none).
 
@@ -76,7 +74,7 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     work = jnp.dtype(work).name
     prepare = prepare_launch(config.prepare[variant_key(config.prepare, work, kd)], h=h, hv=hv,
                              kd=kd, vd=vd, opts=opts, has_a_log=has_a_log,
-                             has_dt_bias=has_dt_bias, store_x=store_x)
+                             has_dt_bias=has_dt_bias)
     state = state_launch(config.state[variant_key(config.state, work, kd)], hv=hv, kd=kd, vd=vd,
                          opts=opts, work=work, has_initial_state=has_initial_state,
                          indexed_state=indexed_state, checkpoint_chunks=checkpoint_chunks)
