@@ -463,3 +463,51 @@ def test_backward_intermediates_float32_only_with_the_in_kernel_gate():
     assert backward_work_dtype(jnp.float32, plain, config, 64) == jnp.float32
     with pytest.raises(ValueError, match="gate_fp32_max_k"):
         dataclasses.replace(config, gate_fp32_max_k=True)
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segments"])
+def test_chunk_states_in_the_intermediates_dtype(segmented, sixteen_bit_intermediates):
+    """BackwardConfig.chunk_states="work": the state passes store h and dS in
+    the 16-bit intermediates' dtype (emulated in the interpreter, native on a
+    GPU), unsegmented and over segments. Against autodiff of the float32
+    reference, each gradient's relative RMS error stays within the bf16 bar,
+    or within 1.3x the error of the float32 chunk states where that is
+    larger: the interpreter rounds every bf16 operation (a GPU's fused
+    arithmetic does not), which alone puts dk near 1e-2 at this case.
+    Only dG's sum over V of dS * h reads the chunk states unrounded, so the
+    other gradients equal the float32 form's bit for bit."""
+    cu = np.array([0, 70, 70, 71, 140])
+    x = make_inputs(5, T=140, H=1, HV=2, K=16, V=16, N=4, dtype=jnp.bfloat16)
+    call_kw = dict(cu_seqlens=cu)
+    w_o, w_f = _weights(x, call_kw)
+    arrays = _arrays(x)
+    ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items() if a is not None}
+    ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f,
+                                 out_dtype=jnp.bfloat16)))({n: ref_arrays[n] for n in ALL})
+    fast = functools.partial(kda_jax.chunk_kda, implementation="triton", chunk_size=32)
+    segments = configs.SegmentConfig(segment_chunks=1, xla=True) if segmented else (
+        configs.SegmentConfig())
+    got, err = {}, {}
+    for states in ("work", "fp32"):
+        bwd = dataclasses.replace(configs.backward_config(chunk_size=32), chunk_states=states)
+        with configs.override(bwd, segments):
+            got[states] = jax.jit(jax.grad(_loss(fast, arrays, call_kw, w_o, w_f)))(
+                {n: arrays[n] for n in ALL})
+        err[states] = {n: _rel_rms(got[states][n], ref[n]) for n in ALL}
+    over = [f"d{n}: {err['work'][n]:.3e} (float32 chunk states {err['fp32'][n]:.3e}, bar "
+            f"{TOL_BF16[n]:.0e})" for n in ALL
+            if err["work"][n] > max(TOL_BF16[n], 1.3 * err["fp32"][n])]
+    assert not over, "; ".join(over)
+    assert not np.array_equal(np.asarray(got["work"]["g"]), np.asarray(got["fp32"]["g"]))
+    for n in ("q", "k", "v", "beta", "initial_state"):
+        np.testing.assert_array_equal(np.asarray(got["work"][n]), np.asarray(got["fp32"][n]))
+
+
+def _rel_rms(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
+
+
+def test_chunk_states_config_names_its_values():
+    with pytest.raises(ValueError, match="chunk_states='bf16'.*'fp32', 'work'"):
+        dataclasses.replace(configs.backward_config("sm90"), chunk_states="bf16")

@@ -29,6 +29,9 @@ FP32_GRADE = ("ieee", "tf32x3", "bf16x6")
 # The fold carries float32 states.
 FOLD_DOTS = ("ieee", "tf32x3", "bf16x3", "bf16x6")
 WORK_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# BackwardConfig.chunk_states: the backward's per-chunk states in float32, or
+# in the intermediates' dtype.
+CHUNK_STATES = ("fp32", "work")
 
 
 def _fail(owner: str, name: str, value, must: str):
@@ -402,6 +405,12 @@ class BackwardConfig:
       each 16-bit intermediate moves those sums coherently, each by
       0.5-9e-3 relative on its own: only float32 throughout brings them
       under 1e-3 (docs/kda.md section 6).
+    chunk_states: the dtype in which the state passes store each chunk's
+      state h and state cotangent dS for the inter kernel: "fp32", or
+      "work", the intermediates' dtype. The inter kernel rounds both to the
+      intermediates' dtype for its products anyway; only its sum over V of
+      dS * h (a term of dG) sees the difference. 16-bit ones halve the
+      passes' largest stores and the inter kernel's largest loads.
     """
 
     recompute: Mapping[str, PrepareConfig]
@@ -412,6 +421,7 @@ class BackwardConfig:
     intra: Mapping[str, IntraConfig]
     fold: FoldConfig
     gate_fp32_max_k: int
+    chunk_states: str = "fp32"
 
     def __post_init__(self):
         owner = "BackwardConfig"
@@ -431,6 +441,9 @@ class BackwardConfig:
         if not isinstance(self.fold, FoldConfig):
             _fail(owner, "fold", self.fold, "must be a FoldConfig")
         _check_int(owner, "gate_fp32_max_k", self.gate_fp32_max_k, minimum=0)
+        if self.chunk_states not in CHUNK_STATES:
+            _fail(owner, "chunk_states", self.chunk_states,
+                  f"must be one of {', '.join(map(repr, CHUNK_STATES))}")
 
 
 RECURRENT_VARIANTS = ("dense", "varlen", "wide")

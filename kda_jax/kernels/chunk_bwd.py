@@ -110,7 +110,7 @@ def kda_bwd_state_kernel(
     STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """The forward state pass again, storing the state at each chunk's start
-    (h, fp32) and v_new; one program per (sequence, value head, V block).
+    (h: float32, or 16-bit, BackwardConfig.chunk_states) and v_new; one program per (sequence, value head, V block).
     SPLIT_K: the state is two [BK, BV] tiles, as the forward's."""
     _state_pass(w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows, h, vn,
                 tl.program_id(0), HV, K, V, BT, BK, BV, USE_INITIAL_STATE, STATE_V_FIRST, DOT,
@@ -144,10 +144,10 @@ def _state_pass(
             b_gl_next = next_decay_row(gl, c0, i_t + 1, n_chunks, i_hv, o_k, m_k, HV, K)
         m_t, r64, p_k, p_v, m_tk, m_tv, i_c, p_h = _seq_chunk(
             bos, eos, c0, i_t, o_t, i_hv, o_k, m_k, o_v, m_v, HV, K, V, BT)
-        tl.store(h + p_h, b_h, mask=m_kv)
+        tl.store(h + p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
         if SPLIT_K:
             m_tk1 = m_t[:, None] & m_k1[None, :]
-            tl.store(h + BK * V + p_h, b_h1, mask=m_kv1)
+            tl.store(h + BK * V + p_h, b_h1.to(h.dtype.element_ty), mask=m_kv1)
         b_w = tl.load(w + p_k, mask=m_tk, other=0.)
         b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
         b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
@@ -177,7 +177,7 @@ def kda_bwd_dstate_kernel(
 ):
     """The state's cotangent, carried from the final state back over the
     chunks in reverse: stores dS (the cotangent of each chunk's end state,
-    fp32), dv_new, and the initial state's gradient. SPLIT_K: dS is two
+    float32 or 16-bit as h), dv_new, and the initial state's gradient. SPLIT_K: dS is two
     [BK, BV] tiles, as the forward's state. Without STORE_CHUNKS only the
     initial state's gradient is stored (a segment's own contribution,
     kda_jax.triton.state_chain)."""
@@ -213,7 +213,7 @@ def _dstate_pass(
         m_t, r64, p_k, p_v, m_tk, m_tv, i_c, p_h = _seq_chunk(
             bos, eos, c0, i_t, o_t, i_hv, o_k, m_k, o_v, m_v, HV, K, V, BT)
         if STORE_CHUNKS:
-            tl.store(dh + p_h, b_dh, mask=m_kv)
+            tl.store(dh + p_h, b_dh.to(dh.dtype.element_ty), mask=m_kv)
         if SPLIT_K:
             # The products with dS first, one K half at a time; the tiles used
             # transposed are loaded [BK, BT] (K contiguous) instead: transposing
@@ -224,7 +224,7 @@ def _dstate_pass(
             m_kt1 = m_k1[:, None] & m_t[None, :]
             m_tk1 = m_t[:, None] & m_k1[None, :]
             if STORE_CHUNKS:
-                tl.store(dh + BK * V + p_h, b_dh1, mask=m_kv1)
+                tl.store(dh + BK * V + p_h, b_dh1.to(dh.dtype.element_ty), mask=m_kv1)
             b_kt = tl.load(kt + p_k, mask=m_tk, other=0.)
             b_dvn = dot(b_kt, b_dh.to(b_kt.dtype), DOT)
             b_kt = tl.load(kt + BK + p_k, mask=m_tk1, other=0.)
@@ -314,7 +314,7 @@ def kda_bwd_inter_kernel(
         b_dqg += dot(b_do, tl.trans(b_hd), DOT)
         b_dw -= dot(b_dvn, tl.trans(b_hd), DOT)
         b_dkt += dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), DOT)
-        b_dgl += tl.sum(b_dh * b_h, axis=1)
+        b_dgl += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), axis=1)
 
     b_G, b_last = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)

@@ -8,7 +8,9 @@ Each argument has a kind, which fixes its type:
   "work"   pointer to the intermediates' dtype (kda_jax.triton.forward.work_dtype)
   "*fp32"  pointer to float32
   "state"  pointer to a state buffer: float32, or a pool's bfloat16 / float16
-           (kernels/state_io.py loads into float32 and rounds on the store)
+           (kernels/state_io.py loads into float32 and rounds on the store), or
+           the backward's per-chunk states in the intermediates' dtype
+           (configs.BackwardConfig.chunk_states)
   "*i32"   pointer to int32
   "i32"    integer scalar
 Inputs come first, then one pointer per output (jax-triton's order).
@@ -82,18 +84,18 @@ SIGNATURES = {
         "chunk_bwd",
         inputs=(("w", WORK), ("u", WORK), ("kt", WORK), ("gl", F32), ("h0", F32))
         + _META_SEQS + (("n_tokens", I32), ("n_chunk_rows", I32)),
-        outputs=(("h", F32), ("vn", WORK)),
+        outputs=(("h", STATE), ("vn", WORK)),
     ),
     "kda_bwd_dstate_kernel": Signature(
         "chunk_bwd",
         inputs=(("qg", WORK), ("kt", WORK), ("w", WORK), ("aqk", WORK), ("gl", F32),
                 ("do", IN), ("dht", F32)) + _META_SEQS + (("n_tokens", I32),
                                                            ("n_chunk_rows", I32)),
-        outputs=(("dh", F32), ("dvn", WORK), ("dh0", F32)),
+        outputs=(("dh", STATE), ("dvn", WORK), ("dh0", F32)),
     ),
     "kda_bwd_inter_kernel": Signature(
         "chunk_bwd",
-        inputs=(("q", IN), ("k", IN), ("gc", F32), ("g", IN), ("h", F32), ("dh", F32),
+        inputs=(("q", IN), ("k", IN), ("gc", F32), ("g", IN), ("h", STATE), ("dh", STATE),
                 ("vn", WORK), ("dvn", WORK), ("do", IN)) + _META_CHUNKS,
         outputs=(("dq", F32), ("dk", F32), ("dg", F32), ("dw", F32)),
     ),

@@ -73,6 +73,12 @@ def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, k
     return work_dtype(input_dtype, interpret=interpret)
 
 
+def chunk_state_dtype(config: BackwardConfig, work):
+    """The dtype of the per-chunk states h and dS the state passes store for
+    the inter kernel (``config.chunk_states``)."""
+    return jnp.dtype(work) if config.chunk_states == "work" else jnp.dtype(jnp.float32)
+
+
 def state_block_v(sc: StateConfig, work, kd: int, vd: int) -> int:
     """The state passes' V block cap: ``sc.block_v``, but with float32
     intermediates no wider than 16 where K or V is not a power of two (the
@@ -211,16 +217,17 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
             r, tables, initial_state, dht, do, h=h, hv=hv, kd=kd, vd=vd,
             n_chunks=n_chunks, tokens=tokens, opts=opts, config=config, work=work)
     else:
+        chunk_states = sds((n_chunks, hv, kd, vd), chunk_state_dtype(config, work))
         state = run(
             "kda_bwd_state_kernel", (n, hv, n_v),
             dict(w=r["w"], u=r["u"], kt=r["kt"], gl=r["gl"],
                  h0=dummy if initial_state is None else initial_state.astype(f32), **by_seq),
-            dict(h=sds((n_chunks, hv, kd, vd), f32), vn=sds(tv.shape, work)))
+            dict(h=chunk_states, vn=sds(tv.shape, work)))
         dstate = run(
             "kda_bwd_dstate_kernel", (n, hv, n_v),
             dict(qg=r["qg"], kt=r["kt"], w=r["w"], aqk=r["aqk"], gl=r["gl"], do=do,
                  dht=dummy if dht is None else dht.astype(f32), **by_seq),
-            dict(dh=sds((n_chunks, hv, kd, vd), f32), dvn=sds(tv.shape, work),
+            dict(dh=chunk_states, dvn=sds(tv.shape, work),
                  dh0=sds(state_shape if initial_state is not None else (4,), f32)))
 
     n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
@@ -295,7 +302,7 @@ def _segmented_state_passes(r, tables, initial_state, dht, do, *, h, hv, kd, vd,
     by_seg = dict(**meta, n_tokens=tokens, n_chunk_rows=n_chunks)
     grid = (n_seg, hv, -(-vd // state_l.constexprs["BV"]))
     tv = sds((tokens, hv, vd), work)
-    chunk_states = sds((n_chunks, hv, kd, vd), f32)
+    chunk_states = sds((n_chunks, hv, kd, vd), chunk_state_dtype(config, work))
     seg_states = sds((n_seg, hv, kd, vd), f32)
     state = launch_kernel(
         state_l, inputs=dict(w=r["w"], u=r["u"], kt=r["kt"], gl=r["gl"], h0=starts, **by_seg),
