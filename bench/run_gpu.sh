@@ -4,11 +4,12 @@
 #   bash bench/run_gpu.sh [STAGE...]        (no stage: tests forward backward serving decode plot)
 #
 #   tests     the GPU test tiers natively, in three stages that each run alone as well:
-#     tests-1   forward and decode (Triton forward, decode kernel, forward-only forms, extreme
-#               gates, non-finite inputs)
+#     tests-1   the correctness suite (outputs and the gradient cases), decode kernel,
+#               forward-only forms, extreme gates, non-finite inputs
 #     tests-2   serving (state pools, bucketed batches, pool indices, verify, checkpoints,
 #               16-bit pool drift)
-#     tests-3   gradients (Triton backward, gate regimes, the training example)
+#     tests-3   gradients beyond the suite's cases (configs, gate parameters at fla's grid,
+#               gate regimes, the training example)
 #             each under pytest-xdist with TEST_WORKERS processes (default 8: Triton's compiles,
 #             which dominate, run side by side), its log in $OUT/pytest-<stage>.log
 #   forward   bench.forward over SHAPES (default the dense sweep) at every regime of GATES, then

@@ -13,6 +13,8 @@ import numpy as np
 __all__ = [
     "Case",
     "CASES",
+    "case",
+    "GRAD_TOLERANCES",
     "KdaInputs",
     "make_inputs",
     "rel_rms",
@@ -38,6 +40,11 @@ class Case:
     (as (name, value) pairs; A_log / dt_bias True: pass make_inputs'), and
     ``off``: API keyword arguments that switch the case's feature off (the
     reference with them must differ, so the case exercises it).
+    ``cu_seqlens``: host bounds of sequences packed along T (B must be 1).
+    ``grad``: the arguments whose gradients the suite checks (names of
+    chunk_kda's arrays: q, k, v, g, beta, initial_state, A_log, dt_bias);
+    empty: a forward case. A gradient case checks o and the final state too,
+    so the forward tests leave it out.
 
     tags: "interpret": small enough for Triton's interpreter (the Triton
     suite's cases without a GPU); "big": GPU sizes only (the Triton suite on a
@@ -55,6 +62,8 @@ class Case:
     inputs: tuple = ()
     flags: tuple = ()
     off: tuple | None = None
+    cu_seqlens: tuple | None = None
+    grad: tuple = ()
     tags: frozenset = frozenset()
 
     def __str__(self):
@@ -67,13 +76,17 @@ class Case:
         from ml_dtypes import bfloat16
 
         dtype = bfloat16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        n = None if self.cu_seqlens is None else len(self.cu_seqlens) - 1
         return make_inputs(zlib.crc32(self.id.encode()), B=self.B, T=self.T, H=self.H,
-                           HV=self.HV, K=self.K, V=self.V, dtype=dtype, **dict(self.inputs))
+                           HV=self.HV, K=self.K, V=self.V, N=n, dtype=dtype,
+                           **dict(self.inputs))
 
     def kwargs(self, x: "KdaInputs", overrides=()) -> dict:
         """The API keyword arguments for inputs ``x`` (with the initial state
         and the final state asked for), ``overrides`` last."""
         kw = dict(initial_state=x.initial_state, output_final_state=True)
+        if self.cu_seqlens is not None:
+            kw["cu_seqlens"] = np.asarray(self.cu_seqlens)
         for name, value in self.flags + tuple(overrides):
             if name in ("A_log", "dt_bias") and value is True:
                 value = getattr(x, name)
@@ -94,6 +107,7 @@ class Case:
 
 
 _GATE = (("raw_gate", True),)
+_ALL = ("q", "k", "v", "g", "beta", "initial_state")
 _SMALL = frozenset({"interpret"})
 # Awkward shapes (T not a multiple of the chunk, K/V not powers of two,
 # HV = H/2H/4H, B > 1), every flag, fp32/bf16/fp16 inputs: a covering set, not
@@ -177,6 +191,54 @@ CASES = (
          flags=(("use_qk_l2norm_in_kernel", True), ("use_gate_in_kernel", True),
                 ("A_log", True), ("dt_bias", True), ("use_beta_sigmoid_in_kernel", True),
                 ("allow_neg_eigval", True), ("state_v_first", True), ("scale", 0.2))),
+    # Gradient cases (the suite's test_grad; they check o and the final state too).
+    Case("grad-B2-T80-K20-V28-c32", B=2, T=80, K=20, V=28, C=32, grad=_ALL),
+    Case("grad-gate-lb2-B2-T33-V24", B=2, T=33, H=1, K=16, V=24, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True),
+                ("lower_bound", -2.0)), grad=("g", "A_log", "dt_bias", "k")),
+    Case("grad-HV2H-v-first-scale-K24", B=1, T=70, HV=4, K=24, V=16,
+         inputs=(("state_v_first", True),), flags=(("state_v_first", True), ("scale", 0.3)),
+         grad=_ALL),
+    Case("grad-B2-T70-K32", T=70, H=1, grad=_ALL, tags=_SMALL),
+    Case("grad-K60-V100-HV2H-c32", B=1, T=45, H=1, HV=2, K=60, V=100, C=32, grad=_ALL,
+         tags=_SMALL),
+    Case("grad-HV4H-v-first-scale-c32", B=1, T=40, H=1, HV=4, K=16, V=16, C=32,
+         inputs=(("state_v_first", True),), flags=(("state_v_first", True), ("scale", 0.3)),
+         grad=_ALL, tags=_SMALL),
+    Case("grad-gate-softplus-c32", B=1, T=40, H=1, K=16, V=16, C=32, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True)),
+         grad=_ALL + ("A_log", "dt_bias"), tags=_SMALL),
+    Case("grad-gate-lb2-T66-V24", B=1, T=66, H=1, K=16, V=24, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True),
+                ("lower_bound", -2.0)), grad=_ALL + ("A_log", "dt_bias"), tags=_SMALL),
+    Case("grad-gate-lb1-bare-c32", B=1, T=40, H=1, K=16, V=16, C=32, inputs=_GATE,
+         flags=(("use_gate_in_kernel", True), ("lower_bound", -1.0)), grad=_ALL,
+         tags=_SMALL),
+    Case("grad-l2norm-sigmoid-negeig-c32", B=1, T=50, K=16, V=16, C=32,
+         inputs=(("normalized_k", False), ("beta_logits", True)),
+         flags=(("use_qk_l2norm_in_kernel", True), ("use_beta_sigmoid_in_kernel", True),
+                ("allow_neg_eigval", True)), grad=_ALL, tags=_SMALL),
+    # Empty and one-token sequences; the empty ones' initial-state gradient is
+    # the final state's cotangent itself.
+    Case("grad-varlen-empty-len1-c32", B=1, T=42, H=1, HV=2, K=16, V=16, C=32,
+         cu_seqlens=(0, 0, 1, 36, 36, 41, 42), grad=_ALL, tags=_SMALL),
+    Case("grad-varlen-no-h0", B=1, T=70, H=1, K=16, V=16, inputs=(("with_state", False),),
+         cu_seqlens=(0, 1, 1, 66, 70), grad=_ALL[:5], tags=_SMALL),
+    # K > 64 with float32 intermediates: both state passes split the state in K.
+    Case("grad-K100-V16-v-first", B=1, T=70, H=1, K=100, V=16,
+         inputs=(("state_v_first", True),), flags=(("state_v_first", True),), grad=_ALL,
+         tags=_SMALL),
+    Case("grad-K128-V16-c32", B=1, T=45, H=1, K=128, V=16, C=32, grad=_ALL, tags=_SMALL),
+    Case("grad-big-K128-HV2H", B=2, T=600, H=2, HV=4, K=128, V=128, grad=_ALL,
+         tags=frozenset({"big"})),
+    Case("grad-big-K256-c32", B=1, T=300, H=1, K=256, V=256, C=32, grad=_ALL,
+         tags=frozenset({"big"})),
+    Case("grad-big-varlen-every-transform", B=1, T=1301, H=2, K=128, V=64,
+         inputs=(("raw_gate", True), ("normalized_k", False), ("beta_logits", True)),
+         flags=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True),
+                ("use_qk_l2norm_in_kernel", True), ("use_beta_sigmoid_in_kernel", True)),
+         cu_seqlens=(0, 1, 400, 400, 1290, 1301), grad=_ALL + ("A_log", "dt_bias"),
+         tags=frozenset({"big"})),
     # GPU sizes.
     # K = 256 at scale 0.25 (K^-0.5 = 1/16 leaves o's spread under the suite's 1e-2 floor).
     Case("big-K256-bf16", B=1, T=300, H=2, K=256, V=256, dtype="bfloat16",
@@ -200,6 +262,25 @@ TOLERANCES = {
     # kept for the tests that still name it.
     "float32-extreme-gates": dict(rel_rms=1e-3, max_abs=5e-3),
 }
+
+# Relative RMS of each gradient against autodiff of the float32 reference
+# (whose o is rounded to the input dtype, as the API's is), per input dtype.
+# 16-bit: fla's bars for its KDA kernels (its tests/ops/test_kda.py), the gate
+# parameters' included.
+GRAD_TOLERANCES = {
+    "float32": dict.fromkeys(("q", "k", "v", "g", "beta", "initial_state", "A_log",
+                              "dt_bias"), 1e-4),
+    "bfloat16": dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2,
+                     A_log=1e-3, dt_bias=1e-3),
+}
+
+
+def case(case_id: str) -> Case:
+    """The case of :data:`CASES` named ``case_id``."""
+    for c in CASES:
+        if c.id == case_id:
+            return c
+    raise KeyError(f"no case {case_id!r} in kda_jax.testing.CASES")
 
 
 @dataclasses.dataclass

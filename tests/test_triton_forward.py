@@ -36,7 +36,9 @@ class TestTriton(ReferenceSuite):
     kernel's token loop takes minutes a case in the interpreter, whose decode
     cases are tests/test_triton_recurrent.py's). Its final states meet the
     input dtype's bar: 16-bit intermediates (w, u, qg, kt) round the state's
-    updates."""
+    updates. Float32 inputs' gradients meet 1e-3 on a GPU: the backward's
+    products there are split-bf16 or tf32, not float32 (the in-kernel gate's
+    parameters' need the split-bf16 products of the shipped sm90 config)."""
 
     implementation = "triton"
 
@@ -51,6 +53,12 @@ class TestTriton(ReferenceSuite):
     @classmethod
     def state_tolerance(cls, case) -> str:
         return case.dtype
+
+    @classmethod
+    def grad_tolerance(cls, case, name) -> float:
+        if ON_GPU and case.dtype == "float32":
+            return 1e-3
+        return super().grad_tolerance(case, name)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the AMD configs' product precisions need a GPU")

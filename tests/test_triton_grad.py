@@ -1,5 +1,7 @@
 """Gradients of the Triton path (jax.custom_vjp over the Triton kernels)
-against autodiff of the float32 reference.
+against autodiff of the float32 reference: what the suite's gradient cases
+(tests/reference_suite.py, TestTriton in tests/test_triton_forward.py) do not
+cover, and those cases under other configs.
 
 On a GPU the kernels run natively; without one, conftest.py sets
 KDA_JAX_INTERPRET=1 and they run in Triton's interpreter (small shapes only).
@@ -19,10 +21,12 @@ import numpy as np
 import pytest
 
 import kda_jax
-from kda_jax import configs
+from kda_jax import configs, testing
 from kda_jax.testing import TOLERANCES, make_inputs
 from kda_jax.triton import interpret_mode, unavailable_reason
 from guards import no_device_reads
+from reference_suite import case_grads, reference_grads
+import test_triton_forward
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None, reason=f"Triton path unavailable: {unavailable_reason()}"
@@ -35,53 +39,9 @@ ON_GPU = not interpret_mode()
 # the split-bf16 products of the shipped sm90 config to meet that bar.
 TOL = 1e-3 if ON_GPU else 1e-4
 # bf16 inputs: the accuracy targets (rel RMS vs the float32 reference's gradient).
-TOL_BF16 = dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2)
+TOL_BF16 = testing.GRAD_TOLERANCES["bfloat16"]
 ALL = ("q", "k", "v", "g", "beta", "initial_state")
 GATE = ALL + ("A_log", "dt_bias")
-
-# id -> (make_inputs kwargs, chunk_kda kwargs, chunk size, names to differentiate)
-CASES = {
-    "plain-B2-c64": (dict(B=2, T=70, H=1, K=32, V=32), {}, 64, ALL),
-    "awkward-K60-V100-gva-c32": (dict(T=45, H=1, HV=2, K=60, V=100), {}, 32, ALL),
-    "gva4-vfirst-scale": (
-        dict(T=40, H=1, HV=4, K=16, V=16, state_v_first=True),
-        dict(state_v_first=True, scale=0.3), 32, ALL),
-    "gate-softplus-Alog-dtbias": (
-        dict(T=40, H=1, K=16, V=16, raw_gate=True),
-        dict(use_gate_in_kernel=True, A_log=True, dt_bias=True), 32, GATE),
-    "gate-lb-Alog-dtbias-c64": (
-        dict(T=66, H=1, K=16, V=24, raw_gate=True),
-        dict(use_gate_in_kernel=True, A_log=True, dt_bias=True, lower_bound=-2.0), 64, GATE),
-    "gate-lb-bare": (
-        dict(T=40, H=1, K=16, V=16, raw_gate=True),
-        dict(use_gate_in_kernel=True, lower_bound=-1.0), 32, ALL),
-    "l2norm-beta-sigmoid-negeig": (
-        dict(T=50, H=2, K=16, V=16, normalized_k=False, beta_logits=True),
-        dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-             allow_neg_eigval=True), 32, ALL),
-    "varlen-empty-len1-c32": (
-        dict(T=42, H=1, HV=2, K=16, V=16, N=6),
-        dict(cu_seqlens=np.array([0, 0, 1, 36, 36, 41, 42])), 32, ALL),
-    "varlen-no-h0-c64": (
-        dict(T=70, H=1, K=16, V=16, N=4, with_state=False),
-        dict(cu_seqlens=np.array([0, 1, 1, 66, 70])), 64, ALL[:5]),
-    # K > 64 with float32 intermediates: both state passes hold the state as
-    # two K halves (forward.split_state_k), the upper one masked at K = 100.
-    "split-K100-vfirst-c64": (
-        dict(T=70, H=1, K=100, V=16, state_v_first=True), dict(state_v_first=True), 64, ALL),
-    "split-K128-c32": (dict(T=45, H=1, K=128, V=16), {}, 32, ALL),
-}
-if ON_GPU:
-    CASES.update({
-        "gpu-big-K128-gva": (dict(B=2, T=600, H=2, HV=4, K=128, V=128), {}, 64, ALL),
-        "gpu-K256-c32": (dict(T=300, H=1, K=256, V=256), {}, 32, ALL),
-        "gpu-varlen-all-transforms": (
-            dict(T=1301, H=2, K=128, V=64, N=5, raw_gate=True, normalized_k=False,
-                 beta_logits=True),
-            dict(cu_seqlens=np.array([0, 1, 400, 400, 1290, 1301]), use_gate_in_kernel=True,
-                 A_log=True, dt_bias=True, use_qk_l2norm_in_kernel=True,
-                 use_beta_sigmoid_in_kernel=True), 64, GATE),
-    })
 
 
 def _arrays(x):
@@ -145,50 +105,44 @@ def _check_all(ref, got, params, wrt, tol, check_rel_rms, kind="grad"):
     return failures
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_grad_matches_reference(name, check_rel_rms):
-    make_kw, call_kw, chunk, wrt = CASES[name]
-    x = make_inputs(17, **make_kw)
-    w_o, w_f = _weights(x, call_kw)
-    ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
-    failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
-    assert not failures, f"{name}: " + "; ".join(failures)
-    cu = call_kw.get("cu_seqlens")
-    if cu is not None and "initial_state" in wrt:
-        # An empty sequence's final state is its initial state: the gradient is w2.
-        empty = np.diff(cu) == 0
-        np.testing.assert_array_equal(np.asarray(got["initial_state"])[empty], w_f[empty])
+def _suite_grads(case_id: str, check_close, check_rel_rms, *configs_, kind="grad"):
+    """The suite's gradient case ``case_id`` (tests/reference_suite.py) under
+    the configs given: its outputs and gradients against the float32
+    reference, at the suite's bars for this path."""
+    case = testing.case(case_id)
+    x, _, _, ref = reference_grads(case)
+    with configs.override(*configs_):
+        got, (o, final) = case_grads(case, "triton")
+    test_triton_forward.TestTriton()._check_outputs(case, o, final, "chunk", check_close)
+    failures = []
+    for n in case.grad:
+        try:
+            check_rel_rms(got[n], ref[n], test_triton_forward.TestTriton.grad_tolerance(case, n), f"d{n}",
+                          kind=kind)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, f"{case_id}: " + "; ".join(failures)
 
 
-@pytest.mark.parametrize("name", ["gate-softplus-Alog-dtbias", "gate-lb-Alog-dtbias-c64"])
-def test_gate_grads_meet_fp32_bar_with_fp32_grade_products(name, check_rel_rms):
+@pytest.mark.parametrize("name", ["grad-gate-softplus-c32", "grad-gate-lb2-T66-V24"])
+def test_gate_grads_meet_fp32_bar_with_fp32_grade_products(name, check_close, check_rel_rms):
     """The gate cases again with fp32-grade products in the products'
     backward (tf32x3 on a GPU, not shipped: it spills on sm90): the 1e-3 bar
     holds with the most precise products too, so the kernels' math, not a
     rounding accident, meets it."""
-    make_kw, call_kw, chunk, wrt = CASES[name]
-    x = make_inputs(17, **make_kw)
-    w_o, w_f = _weights(x, call_kw)
     mode = "tf32x3" if ON_GPU else "ieee"
+    chunk = testing.case(name).C
     precise = configs.replace(configs.backward_config(chunk_size=chunk), "intra.*.dot", mode)
-    with configs.override(precise):
-        ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
-    failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
-    assert not failures, f"{name}: " + "; ".join(failures)
+    _suite_grads(name, check_close, check_rel_rms, precise)
 
 
-@pytest.mark.parametrize("name", ["split-K100-vfirst-c64", "split-K128-c32"])
-def test_reverse_state_pass_in_one_tile_matches_reference(name, check_rel_rms):
+@pytest.mark.parametrize("name", ["grad-K100-V16-v-first", "grad-K128-V16-c32"])
+def test_reverse_state_pass_in_one_tile_matches_reference(name, check_close, check_rel_rms):
     """BackwardConfig.dstate's split_k=False: the reverse state pass keeps dS in
     one tile while the forward state pass is split (sm90's chunk-32 choice)."""
-    make_kw, call_kw, chunk, wrt = CASES[name]
-    x = make_inputs(17, **make_kw)
-    w_o, w_f = _weights(x, call_kw)
+    chunk = testing.case(name).C
     whole = configs.replace(configs.backward_config(chunk_size=chunk), "dstate.*.split_k", False)
-    with configs.override(whole):
-        ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
-    failures = _check_all(ref, got, params, wrt, TOL, check_rel_rms)
-    assert not failures, f"{name}: " + "; ".join(failures)
+    _suite_grads(name, check_close, check_rel_rms, whole)
 
 
 @pytest.mark.parametrize("gate_floor", [None, -1000.0])
@@ -425,25 +379,25 @@ AMD_ARCHS = ("gfx950", "gfx1250", "gfx942")
 
 @pytest.mark.skipif(not ON_GPU, reason="the AMD configs' product precisions need a GPU")
 @pytest.mark.parametrize("arch", AMD_ARCHS)
-@pytest.mark.parametrize("name", ["gpu-big-K128-gva", "gpu-varlen-all-transforms",
-                                  "split-K128-c32", "bf16"])
-def test_amd_configs_grads_on_this_gpu(arch, name, check_rel_rms):
+@pytest.mark.parametrize("name", ["grad-big-K128-HV2H", "grad-big-varlen-every-transform",
+                                  "grad-K128-V16-c32", "bf16"])
+def test_amd_configs_grads_on_this_gpu(arch, name, check_close, check_rel_rms):
     """An AMD arch's forward and backward configs (tiles, warps and the bf16 /
-    split-bf16 product precisions) forced on this GPU: the gradients meet the
-    same bars as this device's own configs."""
+    split-bf16 product precisions) forced on this GPU: the outputs and
+    gradients meet the same bars as this device's own configs."""
     if name == "bf16":
-        make_kw, call_kw, chunk, wrt = dict(B=1, T=300, H=4, K=128, V=128,
-                                            dtype=jnp.bfloat16), {}, 64, ALL
-    else:
-        make_kw, call_kw, chunk, wrt = CASES[name]
-    x = make_inputs(17, **make_kw)
-    w_o, w_f = _weights(x, call_kw)
-    with configs.override(configs.forward_config(arch, chunk),
-                          configs.backward_config(arch, chunk)):
-        ref, got, params = _grads(x, call_kw, chunk, wrt, w_o, w_f)
-    tol = TOL_BF16 if name == "bf16" else TOL
-    failures = _check_all(ref, got, params, wrt, tol, check_rel_rms, kind=f"grad {arch}")
-    assert not failures, f"{arch} {name}: " + "; ".join(failures)
+        x = make_inputs(17, B=1, T=300, H=4, K=128, V=128, dtype=jnp.bfloat16)
+        w_o, w_f = _weights(x, {})
+        with configs.override(configs.forward_config(arch, 64),
+                              configs.backward_config(arch, 64)):
+            ref, got, params = _grads(x, {}, 64, ALL, w_o, w_f)
+        failures = _check_all(ref, got, params, ALL, TOL_BF16, check_rel_rms,
+                              kind=f"grad {arch}")
+        assert not failures, f"{arch} {name}: " + "; ".join(failures)
+        return
+    chunk = testing.case(name).C
+    _suite_grads(name, check_close, check_rel_rms, configs.forward_config(arch, chunk),
+                 configs.backward_config(arch, chunk), kind=f"grad {arch}")
 
 
 def test_backward_intermediates_float32_only_with_the_in_kernel_gate():
