@@ -105,6 +105,48 @@ def test_read_and_write_slots(fn, impl, check_close):
     _untouched(new, pool, [1, 2])
 
 
+@pytest.mark.parametrize("fn,impl", COMBOS)
+def test_device_indices_sharing_a_row_within_a_call(fn, impl):
+    """What happens where device indices break the ownership rule (host ones
+    are refused, below): sequence 1 reads row 0, which sequence 0 writes in the
+    same call. The XLA path reads every row before it writes any, so
+    sequence 1 starts from the old state. The Triton kernels run the
+    sequences' programs in no order, one per (sequence, value head, V block),
+    and the delta rule keeps every V column of the state apart: each column of
+    sequence 1's output follows the old row or the new one, undefined which
+    (docs/api.md). Either way sequence 0's output and every written row's
+    final state are those of a start from the old row."""
+    lens = [6, 5]
+    x, cu = _inputs(31, lens, with_state=False)
+    pool = _pool(32)
+    read = jnp.asarray(np.array([0, 0], np.int32))
+    write = jnp.asarray(np.array([0, 3], np.int32))
+    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool, read_indices=read,
+                     write_indices=write, implementation=impl)
+    o, new = np.asarray(o), np.asarray(new)
+    old = np.stack([pool[0], pool[0]])
+    ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, initial_state=old,
+                                           output_final_state=True)
+    ro, rs = np.asarray(ro), np.asarray(rs)
+    # Sequence 1 from the row sequence 0 wrote.
+    from_new = np.stack([pool[0], rs[0]])
+    ro_new, rs_new = (np.asarray(a) for a in reference.naive_recurrent_kda(
+        *x.args(), cu_seqlens=cu, initial_state=from_new, output_final_state=True))
+    close = lambda a, b: np.isclose(a, b, rtol=1e-4, atol=1e-4).all(axis=0)
+    np.testing.assert_allclose(o[0, :6], ro[0, :6], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new[0], rs[0], rtol=1e-4, atol=1e-4)
+    seq1_old, seq1_new = close(o[0, 6:], ro[0, 6:]), close(o[0, 6:], ro_new[0, 6:])
+    if impl == "xla":
+        assert seq1_old.all(), "the XLA path reads every row before writing any"
+    assert (seq1_old | seq1_new).all(), "a column of sequence 1 followed neither row"
+    # Its final state, column by column, as its output.
+    fin_old = np.isclose(new[3], rs[1], rtol=1e-4, atol=1e-4).all(axis=-2)
+    fin_new = np.isclose(new[3], rs_new[1], rtol=1e-4, atol=1e-4).all(axis=-2)
+    np.testing.assert_array_equal(fin_old | fin_new, True)
+    np.testing.assert_array_equal(fin_old, seq1_old)
+    _untouched(new, pool, [1, 2, 4, 5])
+
+
 @pytest.mark.parametrize("fn", FNS)
 def test_read_and_write_slot_errors(fn):
     x, _ = _inputs(0, B=3, T=2, with_state=False)
