@@ -103,7 +103,8 @@ class Spec:
     the state pool's dtype.
 
     ``state`` is the dtype of the state buffer of the kernels that read and
-    write a pool (:data:`POOL_KERNELS`; the other kernels ignore it): "fp32",
+    write a pool (:data:`POOL_KERNELS`; the backward's per-chunk states take
+    the config's ``chunk_states``, :data:`CHUNK_STATE_KERNELS`): "fp32",
     or "bf16", a bfloat16 pool (computed on in float32, each stored tile
     rounded by kda_jax/kernels/state_io._rounded), which the forward's state pass then
     reads indexed, since a 16-bit state is only ever a pool's. At "fp32" the
@@ -139,6 +140,10 @@ CHUNKS = (64, 32)
 FLAG_SETS = ("default", "all")
 # The kernels whose state buffer may be a 16-bit pool (Spec.state).
 POOL_KERNELS = ("kda_fwd_state_output_kernel", "kda_fused_recurrent_kernel")
+# The backward's launches whose "state" arguments are the per-chunk states h and
+# dS, in BackwardConfig.chunk_states' dtype (kda_bwd_dstate_own stores none).
+CHUNK_STATE_KERNELS = ("kda_bwd_state_kernel", "kda_bwd_dstate_kernel", "kda_bwd_inter_kernel",
+                       "kda_bwd_state_seg", "kda_bwd_dstate_seg")
 # The spec whose pool is bfloat16 (the rounding store compiled on every
 # target): one existing spec rather than new rows, for CI time; its decode
 # kernel differs from main/c32/all's (one more compile per target), and
@@ -475,9 +480,10 @@ def _matrix_fields(compiled, backend=None, target=None, launch=None) -> dict:
 # --------------------------------------------------------------------------- #
 
 
-def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
+def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str, config):
     """(fn, signature, attrs, options): with ``launch.constexprs`` and the
-    target, everything ``triton.compile`` is given for this row."""
+    target, everything ``triton.compile`` is given for this row (``config``:
+    the row's config, whose ``chunk_states`` types the backward's h and dS)."""
     import triton
 
     from kda_jax.triton.launch import kernel_function
@@ -492,7 +498,12 @@ def _compile_args(kernel: str, target: str, spec: Spec, launch, work: str):
     # The backward casts its inputs to float32 with float32 intermediates.
     # (BWD_KERNELS and the segmented backward's state passes: the kda_bwd_ names.)
     in_dtype = "fp32" if kernel.startswith("kda_bwd_") and work == "fp32" else spec.dtype
-    state = spec.state if kernel in POOL_KERNELS else "fp32"
+    if kernel in POOL_KERNELS:
+        state = spec.state
+    elif kernel in CHUNK_STATE_KERNELS and config.chunk_states == "work":
+        state = work
+    else:
+        state = "fp32"
     signature, attrs = _signature(fn, name, in_dtype, work, launch.constexprs, state)
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1,
                    enable_fp_fusion=True, debug=False)  # as jax-triton compiles
@@ -518,7 +529,8 @@ def plan_one(kernel: str, target: str, spec: Spec):
     workers, where the kernels are real JITFunctions."""
     try:
         launch, config, work = _launch_for(kernel, target, spec)
-        fn, signature, attrs, options = _compile_args(kernel, target, spec, launch, work)
+        fn, signature, attrs, options = _compile_args(kernel, target, spec, launch, work,
+                                                       config)
     except Exception:
         return None, None
     key = (_FUNCTION.get(kernel, kernel), TARGETS[target], tuple(sorted(signature.items())),
@@ -543,7 +555,8 @@ def compile_one(kernel: str, target: str, spec: Spec) -> dict:
 
         launch, config, work = _launch_for(kernel, target, spec)
         row.update(_launch_fields(launch, config))
-        fn, signature, attrs, options = _compile_args(kernel, target, spec, launch, work)
+        fn, signature, attrs, options = _compile_args(kernel, target, spec, launch, work,
+                                                       config)
         backend, arch, warp = TARGETS[target]
         src = ASTSource(fn, signature, dict(launch.constexprs), attrs)
         log = io.StringIO()

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 ON_GPU = not interpret_mode()
 
-# float32, as tests/test_grad.py holds the XLA path. On sm90 float32 inputs
+# float32, as the XLA path is held (tests/test_grad.py). On sm90 float32 inputs
 # are held to 1e-3 (the backward's products there are split-bf16 or tf32, not
 # fp32). The gate's gradients (dg is a difference of nearly equal sums) need
 # the split-bf16 products of the shipped sm90 config to meet that bar.
@@ -117,8 +117,8 @@ def _suite_grads(case_id: str, check_close, check_rel_rms, *configs_, kind="grad
     failures = []
     for n in case.grad:
         try:
-            check_rel_rms(got[n], ref[n], test_triton_forward.TestTriton.grad_tolerance(case, n), f"d{n}",
-                          kind=kind)
+            tol = test_triton_forward.TestTriton.grad_tolerance(case, n)
+            check_rel_rms(got[n], ref[n], tol, f"d{n}", kind=kind)
         except AssertionError as e:
             failures.append(str(e))
     assert not failures, f"{case_id}: " + "; ".join(failures)
@@ -419,25 +419,28 @@ def test_backward_intermediates_float32_only_with_the_in_kernel_gate():
         dataclasses.replace(config, gate_fp32_max_k=True)
 
 
-@pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segments"])
-def test_chunk_states_in_the_intermediates_dtype(segmented, sixteen_bit_intermediates):
+@pytest.mark.parametrize("segmented,dtype", [(False, "bfloat16"), (True, "bfloat16"),
+                                             (False, "float16")],
+                         ids=["whole-bf16", "segments-bf16", "whole-fp16"])
+def test_chunk_states_in_the_intermediates_dtype(segmented, dtype, sixteen_bit_intermediates):
     """BackwardConfig.chunk_states="work": the state passes store h and dS in
     the 16-bit intermediates' dtype (emulated in the interpreter, native on a
-    GPU), unsegmented and over segments. Against autodiff of the float32
-    reference, each gradient's relative RMS error stays within the bf16 bar,
+    GPU), bfloat16 and float16, unsegmented and over segments. Against
+    autodiff of the float32 reference, each gradient's relative RMS error
+    stays within the bf16 bar,
     or within 1.3x the error of the float32 chunk states where that is
     larger: the interpreter rounds every bf16 operation (a GPU's fused
     arithmetic does not), which alone puts dk near 1e-2 at this case.
     Only dG's sum over V of dS * h reads the chunk states unrounded, so the
     other gradients equal the float32 form's bit for bit."""
     cu = np.array([0, 70, 70, 71, 140])
-    x = make_inputs(5, T=140, H=1, HV=2, K=16, V=16, N=4, dtype=jnp.bfloat16)
+    x = make_inputs(5, T=140, H=1, HV=2, K=16, V=16, N=4, dtype=jnp.dtype(dtype))
     call_kw = dict(cu_seqlens=cu)
     w_o, w_f = _weights(x, call_kw)
     arrays = _arrays(x)
     ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items() if a is not None}
     ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f,
-                                 out_dtype=jnp.bfloat16)))({n: ref_arrays[n] for n in ALL})
+                                 out_dtype=jnp.dtype(dtype))))({n: ref_arrays[n] for n in ALL})
     fast = functools.partial(kda_jax.chunk_kda, implementation="triton", chunk_size=32)
     segments = configs.SegmentConfig(segment_chunks=1, xla=True) if segmented else (
         configs.SegmentConfig())

@@ -110,8 +110,9 @@ def kda_bwd_state_kernel(
     STATE_V_FIRST: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """The forward state pass again, storing the state at each chunk's start
-    (h: float32, or 16-bit, BackwardConfig.chunk_states) and v_new; one program per (sequence, value head, V block).
-    SPLIT_K: the state is two [BK, BV] tiles, as the forward's."""
+    (h: float32, or the intermediates' dtype, BackwardConfig.chunk_states) and
+    v_new; one program per (sequence, value head, V block). SPLIT_K: the state
+    is two [BK, BV] tiles, as the forward's."""
     _state_pass(w, u, kt, gl, h0, meta, off_cu, off_co, n_tokens, n_chunk_rows, h, vn,
                 tl.program_id(0), HV, K, V, BT, BK, BV, USE_INITIAL_STATE, STATE_V_FIRST, DOT,
                 SPLIT_K)
@@ -177,7 +178,7 @@ def kda_bwd_dstate_kernel(
 ):
     """The state's cotangent, carried from the final state back over the
     chunks in reverse: stores dS (the cotangent of each chunk's end state,
-    float32 or 16-bit as h), dv_new, and the initial state's gradient. SPLIT_K: dS is two
+    float32 or the intermediates' dtype, as h), dv_new, and the initial state's gradient. SPLIT_K: dS is two
     [BK, BV] tiles, as the forward's state. Without STORE_CHUNKS only the
     initial state's gradient is stored (a segment's own contribution,
     kda_jax.triton.state_chain)."""

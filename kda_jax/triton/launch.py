@@ -199,7 +199,8 @@ _POINTER_DTYPES = {signatures.F32: np.dtype(np.float32), signatures.I32_PTR: np.
 _KIND_TEXT = {signatures.IN: "a floating array (the inputs' dtype)",
               signatures.WORK: "a floating array (the intermediates' dtype)",
               signatures.F32: "a float32 array",
-              signatures.STATE: "a float32 array (or a state pool's bfloat16 / float16)",
+              signatures.STATE: "a float32, bfloat16 or float16 array (a state buffer: a "
+                                "pool, or the backward's per-chunk states)",
               signatures.I32_PTR: "an int32 array",
               signatures.I32: "a Python int"}
 
