@@ -114,7 +114,7 @@ class Spec:
     shape: str
     K: int
     V: int
-    dtype: str  # "bf16" or "fp32": q, k, v, g, beta and o
+    dtype: str  # "bf16", "fp16" or "fp32": q, k, v, g, beta and o
     chunk: int
     flags: str  # "default" or "all"
     H: int = 16
@@ -157,8 +157,19 @@ def _spec(shape, kd, vd, dt, bt, fl) -> Spec:
     return Spec(shape, kd, vd, dt, bt, fl, state=state)
 
 
+# float16 inputs, whose intermediates are float16 (the backward's "fp16" wy and
+# intra variants, and every 16-bit kernel at float16 types): one spec, for CI time.
+EXTRA_SPECS = (Spec("fp16", 128, 128, "fp16", 64, "default"),)
 SPECS = tuple(_spec(shape, kd, vd, dt, bt, fl)
-              for (shape, kd, vd, dt), bt, fl in itertools.product(SHAPES, CHUNKS, FLAG_SETS))
+              for (shape, kd, vd, dt), bt, fl in itertools.product(SHAPES, CHUNKS, FLAG_SETS)
+              ) + EXTRA_SPECS
+
+
+def _in_dtype(spec: Spec):
+    """The JAX dtype of the spec's inputs."""
+    import jax.numpy as jnp
+
+    return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[spec.dtype]
 
 
 def _spec_options(spec: Spec):
@@ -230,8 +241,7 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
 
     opts, _, _, has_h0 = _spec_options(spec)
     config = backward_config(target, spec.chunk)
-    work = backward_work_dtype({"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype], opts,
-                               config, spec.K)
+    work = backward_work_dtype(_in_dtype(spec), opts, config, spec.K)
     if kernel == "kda_bwd_recompute":
         launch = recompute_launch(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
                                   config=config, work=work)
@@ -253,7 +263,7 @@ def _segment_launch_for(kernel: str, target: str, spec: Spec):
     from kda_jax.triton.forward import segmented_launches, work_dtype
 
     opts, _, _, has_h0 = _spec_options(spec)
-    in_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype]
+    in_dtype = _in_dtype(spec)
     shape = dict(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
                  has_initial_state=has_h0)
     if kernel in ("kda_segment_map_kernel", "kda_segment_fold_kernel",
@@ -316,7 +326,7 @@ def _launch_for(kernel: str, target: str, spec: Spec):
 
     opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
     config = forward_config(target, spec.chunk)
-    in_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[spec.dtype]
+    in_dtype = _in_dtype(spec)
     work = work_dtype(in_dtype)
     prep, state = forward_launches(
         h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts, config=config, work=work,
