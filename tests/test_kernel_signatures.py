@@ -45,7 +45,7 @@ SPEC = KernelLaunch("kda_fused_recurrent_kernel", {}, 1, 1)
     (lambda i, o: i.update(A_log=jnp.zeros((4,), jnp.bfloat16)), TypeError,
      "argument A_log must be a float32 array .* got bfloat16"),
     (lambda i, o: i.update(h0=np.zeros((4,), np.float64)), TypeError,
-     r"argument h0 must be a float32 array \(or a state pool's bfloat16 / float16\) .* got "
+     r"argument h0 must be a float32, bfloat16 or float16 array \(a state buffer: .*\) .* got "
      "float64"),
     (lambda i, o: i.update(q=np.zeros((1, 1, 16), np.int32)), TypeError,
      "argument q must be a floating array .* got int32"),
