@@ -72,12 +72,15 @@ def reference_grads(case: Case):
     return _REFERENCE_GRADS[case.id]
 
 
-def case_grads(case: Case, implementation: str, **extra):
-    """(gradients, (o, final_state)) of the case's weighted loss through
-    chunk_kda on ``implementation`` at the case's chunk size."""
+def case_grads(case: Case, implementation: str, fn=kda_jax.chunk_kda, **extra):
+    """(gradients, (o, final_state)) of the case's weighted loss through ``fn``
+    (chunk_kda at the case's chunk size, or fused_recurrent_kda) on
+    ``implementation``."""
     x, w_o, w_f, _ = reference_grads(case)
-    loss, params = _loss(kda_jax.chunk_kda, case, x, w_o, w_f, x.q.dtype,
-                         implementation=implementation, chunk_size=case.C, **extra)
+    if fn is kda_jax.chunk_kda:
+        extra = dict(extra, chunk_size=case.C)
+    loss, params = _loss(fn, case, x, w_o, w_f, x.q.dtype, implementation=implementation,
+                         **extra)
     return jax.jit(jax.grad(loss, has_aux=True))(params)
 
 
@@ -158,20 +161,22 @@ class ReferenceSuite:
     def test_fused_recurrent_kda(self, case: Case, check_close):
         self._check(case, kda_jax.fused_recurrent_kda, "recurrent", check_close)
 
-    def test_grad(self, case: Case, check_close, check_rel_rms):
-        """chunk_kda's outputs, and the gradients of ``case.grad`` against
-        autodiff of the float32 reference, each held to its own bar (the
-        failure names every gradient that missed)."""
+    def check_grads(self, case: Case, check_close, check_rel_rms, kind: str | None = None,
+                    fn=kda_jax.chunk_kda):
+        """``fn``'s outputs on ``case`` (under the configs in force), and the
+        gradients of ``case.grad`` against autodiff of the float32 reference,
+        each held to its own bar (the failure names every gradient that
+        missed)."""
         x, w_o, w_f, ref = reference_grads(case)
-        got, (o, final) = case_grads(case, self.implementation)
-        self._check_outputs(case, o, final, "grad-case chunk", check_close)
+        got, (o, final) = case_grads(case, self.implementation, fn)
+        self._check_outputs(case, o, final, "grad-case", check_close)
         failures = []
         for n in case.grad:
             assert got[n].shape == ref[n].shape and got[n].dtype == getattr(x, n).dtype, n
             assert np.abs(np.asarray(ref[n])).max() > 1e-6, f"d{n} of the reference is ~0"
             try:
                 check_rel_rms(got[n], ref[n], self.grad_tolerance(case, n), f"d{n}",
-                              kind=f"grad {case.dtype}")
+                              kind=kind or f"grad {case.dtype}")
             except AssertionError as e:
                 failures.append(str(e))
         assert not failures, f"{case.id}: " + "; ".join(failures)
@@ -179,3 +184,6 @@ class ReferenceSuite:
             # An empty sequence's final state is its initial state: the gradient is w_f.
             empty = np.diff(case.cu_seqlens) == 0
             np.testing.assert_array_equal(np.asarray(got["initial_state"])[empty], w_f[empty])
+
+    def test_grad(self, case: Case, check_close, check_rel_rms):
+        self.check_grads(case, check_close, check_rel_rms)

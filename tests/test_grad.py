@@ -18,7 +18,7 @@ import numpy as np
 import kda_jax
 from kda_jax import testing
 from kda_jax.testing import TOLERANCES, make_inputs
-from reference_suite import reference_grads
+import test_xla_vs_reference
 
 TOL = 1e-4
 ALL = ("q", "k", "v", "g", "beta", "initial_state")
@@ -43,26 +43,14 @@ def _grad_fn(fn, arrays, call_kw, wrt, w_o, w_f, jit=True):
     return jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
 
 
-def test_fused_recurrent_grad_matches_reference(check_rel_rms):
+def test_fused_recurrent_grad_matches_reference(check_close, check_rel_rms):
     """fused_recurrent_kda's gradient on the XLA path (the Triton decode
     kernel is forward only), on the suite's varlen gradient case with empty
     and one-token sequences (chunk_kda's gradients: the suite,
     tests/test_xla_vs_reference.py)."""
-    case = testing.case("grad-varlen-empty-len1-c32")
-    x, w_o, w_f, ref = reference_grads(case)
-    params = {n: _arrays(x)[n] for n in case.grad}
-    fn = functools.partial(kda_jax.fused_recurrent_kda, implementation="xla",
-                           cu_seqlens=np.asarray(case.cu_seqlens))
-    got = _grad_fn(fn, _arrays(x), {}, case.grad, w_o, w_f, jit=False)(params)
-    failures = []
-    for n in case.grad:
-        try:
-            check_rel_rms(got[n], ref[n], TOL, f"d{n}")
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, "; ".join(failures)
-    empty = np.diff(case.cu_seqlens) == 0
-    np.testing.assert_array_equal(np.asarray(got["initial_state"])[empty], w_f[empty])
+    test_xla_vs_reference.TestXla().check_grads(testing.case("grad-varlen-empty-len1-c32"),
+                                                check_close, check_rel_rms,
+                                                fn=kda_jax.fused_recurrent_kda)
 
 
 def test_grad_with_gate_floor_minus_1000(check_rel_rms):

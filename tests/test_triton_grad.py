@@ -25,7 +25,6 @@ from kda_jax import configs, testing
 from kda_jax.testing import TOLERANCES, make_inputs
 from kda_jax.triton import interpret_mode, unavailable_reason
 from guards import no_device_reads
-from reference_suite import case_grads, reference_grads
 import test_triton_forward
 
 pytestmark = pytest.mark.skipif(
@@ -107,21 +106,10 @@ def _check_all(ref, got, params, wrt, tol, check_rel_rms, kind="grad"):
 
 def _suite_grads(case_id: str, check_close, check_rel_rms, *configs_, kind="grad"):
     """The suite's gradient case ``case_id`` (tests/reference_suite.py) under
-    the configs given: its outputs and gradients against the float32
-    reference, at the suite's bars for this path."""
-    case = testing.case(case_id)
-    x, _, _, ref = reference_grads(case)
+    the configs given, at the suite's bars for this path."""
     with configs.override(*configs_):
-        got, (o, final) = case_grads(case, "triton")
-    test_triton_forward.TestTriton()._check_outputs(case, o, final, "chunk", check_close)
-    failures = []
-    for n in case.grad:
-        try:
-            tol = test_triton_forward.TestTriton.grad_tolerance(case, n)
-            check_rel_rms(got[n], ref[n], tol, f"d{n}", kind=kind)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, f"{case_id}: " + "; ".join(failures)
+        test_triton_forward.TestTriton().check_grads(testing.case(case_id), check_close,
+                                                     check_rel_rms, kind=kind)
 
 
 @pytest.mark.parametrize("name", ["grad-gate-softplus-c32", "grad-gate-lb2-T66-V24"])
