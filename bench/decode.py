@@ -11,7 +11,7 @@ Forms over N one-token sequences, H = 32, K = V = 128, bf16 q/k/v:
          cu_seqlens). kda_jax's batch goes to jit as NumPy ("host batch": jit's
          dispatch copies it) or through jax.device_put first.
   pool bf16  the same over a bfloat16 pool (half the state bytes moved).
-  verify N sequences of 1 + S tokens (--drafts S, default 3): state_indices
+  verify N sequences of 1 + S tokens (--drafts S, default 3): ssm_state_indices
          [N, 1 + S] with num_accepted_tokens [N] (vLLM's speculative verify),
          the state after every token written to its row; fla's
          fused_recurrent_kda_fwd with the same ssm_state_indices and counts.
@@ -51,8 +51,8 @@ def kda_steps(n, h, d, impl="triton", drafts=3) -> dict:
 
     def pool_steps(pool, batch, idx, *x, steps=1):
         for _ in range(steps):  # each step over the last one's pool
-            o, pool = kda_jax.fused_recurrent_kda(*x, cu_seqlens=batch, state_cache=pool,
-                                                  state_indices=idx, implementation=impl)
+            o, pool = kda_jax.fused_recurrent_kda_pool(*x, pool, kda_jax.PoolRows(idx),
+                                                       cu_seqlens=batch, implementation=impl)
         return o, pool
 
     def dense_steps(h0, *x, steps=1):
@@ -63,8 +63,9 @@ def kda_steps(n, h, d, impl="triton", drafts=3) -> dict:
         return o, h0
 
     def verify_steps(pool, rows, accepted, *x):
-        return kda_jax.fused_recurrent_kda(*x, state_cache=pool, state_indices=rows,
-                                           num_accepted_tokens=accepted, implementation=impl)
+        return kda_jax.fused_recurrent_kda_pool(
+            *x, pool, kda_jax.PoolRows(rows, num_accepted_tokens=accepted),
+            implementation=impl)
 
     pool1 = jax.jit(pool_steps, donate_argnums=0)
     verify1 = jax.jit(verify_steps, donate_argnums=0)

@@ -4,7 +4,7 @@
         [--implementation xla] [--json bench/results/pool16-drift.json]
 
 N sequences decode one token per step from zero states held in a pool of
-float32, bfloat16 or float16 (``fused_recurrent_kda`` with ``state_cache``,
+float32, bfloat16 or float16 (``fused_recurrent_kda_pool``,
 every step in one jitted ``lax.scan`` with the pool donated), on the same
 inputs: bench/inputs.py's "layer" regime (raw q, k, beta and gate; the q/k L2
 norm, the beta sigmoid and the safe gate at lower bound -5 computed in the
@@ -40,8 +40,9 @@ DTYPES = ("bfloat16", "float16")
 def _decode(pool, idx, xs, gate, impl):
     """o ``[steps, N, 1, H, V]`` and the final pool of ``steps`` one-token steps."""
     def step(pool, x):
-        o, pool = kda_jax.fused_recurrent_kda(*x, **gate, state_cache=pool, state_indices=idx,
-                                              **options("layer", "kda_jax"), implementation=impl)
+        o, pool = kda_jax.fused_recurrent_kda_pool(*x, pool, kda_jax.PoolRows(idx), **gate,
+                                                   **options("layer", "kda_jax"),
+                                                   implementation=impl)
         return pool, o
 
     pool, o = jax.lax.scan(step, pool, xs)

@@ -78,8 +78,8 @@ def kda_rows(a, sets) -> list[dict]:
     # idx is an argument: a device array closed over would be embedded as a
     # constant, which reads it back to the host at compile time.
     idx = jnp.asarray(np.r_[np.arange(len(sets[0])), -np.ones(nb - len(sets[0]))], jnp.int32)
-    pooled = jax.jit(lambda pool, batch, idx, *x: kda_jax.chunk_kda(
-        *x, cu_seqlens=batch, state_cache=pool, state_indices=idx, implementation=impl),
+    pooled = jax.jit(lambda pool, batch, idx, *x: kda_jax.chunk_kda_pool(
+        *x, pool, kda_jax.PoolRows(idx), cu_seqlens=batch, implementation=impl),
         donate_argnums=0)
     plain = jax.jit(lambda batch, h0, *x: kda_jax.chunk_kda(
         *x, cu_seqlens=batch, initial_state=h0, output_final_state=True, implementation=impl))

@@ -10,14 +10,14 @@ Each step is one jitted function of two calls on the same pool:
 
 * the mixed call packs new prefills and the plain decodes into one
   :class:`kda_jax.VarlenBatch` of a fixed :class:`kda_jax.Bucket`
-  (``chunk_kda``; ``fused_recurrent_kda`` when only decodes run, a second
-  bucket): each prefill writes its prompt's state every ``chunk_size`` tokens
-  into prefix-cache rows (``checkpoint_indices``) and its final state into
-  its own row;
-* the verify call (``fused_recurrent_kda``, ``[Nv, 1 + S]`` tokens) starts
-  each speculative request from the row of its last accepted token
+  (``chunk_kda_pool``; ``fused_recurrent_kda_pool`` when only decodes run, a
+  second bucket): each prefill writes its prompt's state every ``chunk_size``
+  tokens into prefix-cache rows (``PoolRows.checkpoint_indices``) and its
+  final state into its own row;
+* the verify call (``fused_recurrent_kda_pool``, ``[Nv, 1 + S]`` tokens)
+  starts each speculative request from the row of its last accepted token
   (``num_accepted_tokens``) and writes the state after every token to its own
-  row (``state_indices [Nv, 1 + S]``); the acceptance counts for the next
+  row (``ssm_state_indices [Nv, 1 + S]``); the acceptance counts for the next
   step are drawn at random here, where a model would compare the drafts.
 
 Padded slots carry index -1 and touch nothing. The pool is donated, so each
@@ -179,16 +179,18 @@ def main(argv=None) -> int:
     def make_step(bucket):
         def step(pool, plan, inputs, verify_inputs, batch):
             traces[bucket] += 1
-            kw = dict(cu_seqlens=batch, state_cache=pool, state_indices=plan["idx"],
-                      has_initial_state=plan["has"], implementation=a.implementation)
+            rows = kda_jax.PoolRows(plan["idx"], has_initial_state=plan["has"])
+            kw = dict(cu_seqlens=batch, implementation=a.implementation)
             if bucket is mixed:
-                o, pool = kda_jax.chunk_kda(*inputs, chunk_size=every, checkpoint_every=every,
-                                            checkpoint_indices=plan["prefix"], **kw)
+                o, pool = kda_jax.chunk_kda_pool(
+                    *inputs, pool, rows._replace(checkpoint_indices=plan["prefix"]),
+                    chunk_size=every, checkpoint_every=every, **kw)
             else:
-                o, pool = kda_jax.fused_recurrent_kda(*inputs, **kw)
-            ov, pool = kda_jax.fused_recurrent_kda(
-                *verify_inputs, state_cache=pool, state_indices=plan["verify_rows"],
-                num_accepted_tokens=plan["accepted"], implementation=a.implementation)
+                o, pool = kda_jax.fused_recurrent_kda_pool(*inputs, pool, rows, **kw)
+            ov, pool = kda_jax.fused_recurrent_kda_pool(
+                *verify_inputs, pool, kda_jax.PoolRows(plan["verify_rows"],
+                                                       num_accepted_tokens=plan["accepted"]),
+                implementation=a.implementation)
             return o, ov, pool
         return jax.jit(step, donate_argnums=0)
 

@@ -19,7 +19,8 @@ from kda_jax import configs, context_parallel, segmented, xla
 from kda_jax import pool as state_pool
 from kda_jax import triton as kda_triton
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "IMPLEMENTATIONS"]
+__all__ = ["chunk_kda", "chunk_kda_checkpoints", "chunk_kda_pool", "fused_recurrent_kda",
+           "fused_recurrent_kda_pool", "IMPLEMENTATIONS"]
 
 def _no_sequence(q, v, opts: KdaOptions, pool):
     """The exact result of a call with B = 0 (no sequence): empty o and, as
@@ -164,7 +165,7 @@ def _recurrent_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, pool=None
                                                  pool=mask_padding(pool, bounds))
 
 
-_ARGS_DOC = """
+_INPUTS_DOC = """
     Args:
       q: ``[B, T, H, K]`` queries. Every array argument is bf16, fp16 or fp32
         (float8, float64 and others raise TypeError). H, HV, K and V must be
@@ -177,15 +178,40 @@ _ARGS_DOC = """
         gate with ``use_gate_in_kernel``.
       beta: ``[B, T, HV]`` delta-rule strength (a logit with
         ``use_beta_sigmoid_in_kernel``).
-      scale: query scale; default ``K ** -0.5``.
-      initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+"""
+
+_POOL_DOC = """      state_cache: the paged state pool, ``[slots, HV, K, V]`` (``[slots, HV,
+        V, K]`` with ``state_v_first``), float32, bfloat16 or float16 (read
+        into float32, computed in float32, each written row rounded once to
+        the pool's dtype). Rows no sequence writes come back bit-identical.
+        Donate it to the enclosing ``jax.jit`` (``donate_argnums``) and the
+        update happens in place on a GPU.
+      rows: a :class:`kda_jax.PoolRows`: the rows each sequence reads and
+        writes (``ssm_state_indices`` [N], or [N, 1 + drafts] with
+        ``num_accepted_tokens`` for a speculative verify; ``write_indices``
+        for separate read and write rows; ``has_initial_state``). NumPy
+        indices are checked on the host for the real sequences (all N with
+        host bounds, the header's count with a NumPy VarlenBatch): an index
+        >= slots, a row written twice, or a row one sequence writes and
+        another reads raises ValueError naming the rows. Device indices, and
+        NumPy ones with a batch already on the device, are not checked (that
+        would need a device read): an index >= slots acts as padding, and
+        the other two are undefined (the sequences run in no order).
+        A verify's outputs and states are those of single-token decodes run
+        one after another (bit for bit with a float32 pool on the XLA path,
+        and on the Triton path when every sequence has the same length;
+        otherwise up to float32 rounding); the states between its tokens stay
+        float32.
+"""
+
+_STATE_DOC = """      initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
         ``state_v_first``), N = B, or the number of sequences in cu_seqlens;
-        used in float32.
-        Read only: the final state is a new array. Donating initial_state to
-        the enclosing jit does not make a step in place (XLA copies the new
-        state into the donated buffer, about twice the time of an in-place
-        step): for in-place updates keep the states in a ``state_cache``.
+        used in float32. Read only: the final state is a new array (for
+        in-place updates keep the states in a pool: the ``*_pool`` forms).
       output_final_state: also return the state after each sequence.
+"""
+
+_OPTIONS_DOC = """      scale: query scale; default ``K ** -0.5``.
       use_qk_l2norm_in_kernel: L2-normalize q and k (eps 1e-6, float32).
       use_gate_in_kernel: g is raw; g_eff = -exp(A_log) * softplus(g + dt_bias),
         or with ``lower_bound`` lower_bound * sigmoid(exp(A_log) * (g + dt_bias)).
@@ -204,128 +230,72 @@ _ARGS_DOC = """
         metadata as a runtime argument, one executable per bucket. Then q..beta
         are ``[1, bucket.max_tokens, ...]`` (rows past the real tokens get
         o = 0 and touch no state) and N = ``bucket.max_seqs`` (slots past the
-        real sequences are empty; their pool indices are ignored).
-      state_cache: a paged state pool (serving), ``[slots, HV, K, V]``
-        (``[slots, HV, V, K]`` with ``state_v_first``), float32, bfloat16 or
-        float16 (read into float32, computed in float32, each written row
-        rounded once to the pool's dtype). Sequence n starts from
-        row ``state_indices[n]`` and its final state is written back to that
-        row; the call returns ``(o, new_state_cache)``, with every row no
-        sequence names bit-identical. Not together with ``initial_state`` or
-        ``output_final_state``. Donate the pool to the enclosing ``jax.jit``
-        (``donate_argnums``) and the update happens in place on a GPU.
-      state_indices: int32 ``[N]`` (NumPy or jax, traced allowed; other integer
-        types are narrowed to int32 with every index outside [0, slots) made
-        -1 first, so int64 under jax_enable_x64 never wraps onto a row): each
-        sequence's pool row. A negative index is a padding slot: nothing is
-        read (o is computed from a zero state) or written.
-        Required with ``state_cache``, unless ``read_indices`` and
-        ``write_indices`` replace it. NumPy indices are checked on the host
-        for the real sequences: all N with host bounds, the first
-        (real count) with a NumPy VarlenBatch, whose padded slots' indices
-        are ignored unchecked. There an index >= slots, or a row named twice,
-        raises ValueError. Device indices, and NumPy indices with a batch
-        already on the device (its real count is device data), are not
-        checked (that would need a device read): an index >= slots acts as
-        padding, and a row named twice is undefined (either sequence's final
-        state may land there).
-        Or int32 ``[N, W]``, W = 1 + S drafts (speculative verify, each
-        sequence at most W tokens): sequence n starts from row
-        ``state_indices[n, num_accepted_tokens[n] - 1]`` (column 0 without
-        ``num_accepted_tokens``) and writes the state after its token t to
-        row ``state_indices[n, t]``, -1 for none; no other final state is
-        written. The outputs and states are those of single-token decodes run
-        one after another (bit for bit with a float32 pool on the XLA path,
-        and on the Triton path when every sequence has the same length;
-        otherwise up to float32 rounding). A 16-bit pool rounds each written
-        state once, and the states between a verify's tokens stay float32.
-        Written rows must be distinct over the whole matrix (checked for
-        NumPy indices). chunk_kda runs a verify with the token-by-token
-        kernel, as fused_recurrent_kda does: the chunked form holds no state
-        between chunk boundaries.
-      num_accepted_tokens: int32 ``[N]`` (NumPy or jax, traced allowed), only
-        with a ``[N, W]`` state_indices: the tokens of each sequence's last
-        verify that were accepted, in [1, W] (NumPy counts are checked on the
-        host; a device count outside [1, W] reads no row: zeros).
-      read_indices, write_indices: int32 ``[N]`` each, together in place of
-        ``state_indices`` (read / write slots, e.g. for prefix caching): sequence
-        n starts from row ``read_indices[n]`` and writes its final state to row
-        ``write_indices[n]``; -1 reads (zeros) or writes nothing. A row that is
-        read and not written comes back bit-identical, and several sequences
-        may read one row; written rows must be distinct (checked as
-        ``state_indices`` is), and no sequence may read a row another one
-        writes (or checkpoints into) in the same call: the sequences run in no
-        order (NumPy indices that do are refused; device ones are undefined).
-      has_initial_state: bool ``[N]`` or None (all True). False: the sequence
-        starts from zeros and never reads its row (which may hold garbage);
-        the row still receives its final state.
+        real sequences are empty; their pool rows are ignored).
       implementation: None (best available), ``"xla"`` or ``"triton"``.
         ``"triton"`` raises RuntimeError on a machine where Triton cannot run
         (no GPU, no jax-triton) and ValueError for K or V over 256.
+"""
 
+_CHUNK_SIZE_DOC = """      chunk_size: a Python int (or NumPy integer), 32 or 64; a float, bool or
+        array raises TypeError.
+"""
+
+_RETURNS_STATE = """
     Returns:
       ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32
       ``[N, HV, K, V]`` (or V-first), or None unless ``output_final_state``.
-      With ``state_cache``: ``(o, new_state_cache)``, the pool's shape and dtype.
+"""
 
+_RETURNS_POOL = """
+    Returns:
+      ``(o, new_state_cache)``: o ``[B, T, HV, V]`` in q's dtype; the pool with
+      the written rows, its shape and dtype.
+"""
+
+_TRANSFORMS_DOC = """
     Transformations: the XLA path supports ``jax.grad``, ``jax.vmap`` and
     ``jax.shard_map`` in every form (JAX's own rules). On the Triton path
-    chunk_kda with host bounds and no ``state_cache`` is differentiable;
-    with host bounds and no ``state_cache`` both functions batch under
-    ``jax.vmap`` (the mapped axis folded into one launch, docs/sharding.md);
-    the serving forms (a ``state_cache`` or a VarlenBatch) are forward only
-    and unbatchable, and fused_recurrent_kda is forward only: grad, jvp and
-    vmap of those raise ``kda_jax.NotDifferentiableError`` /
-    ``kda_jax.NotBatchableError`` (``NotImplementedError`` subclasses) naming
-    the form and the alternative.
-    A ``cu_seqlens`` mapped by ``jax.vmap`` raises ValueError (bounds are host
-    data). Inside ``jax.shard_map`` both paths run each device's shard, with
-    q..beta split over B and/or over heads (H and HV together).
+    chunk_kda with host bounds is differentiable; chunk_kda and
+    fused_recurrent_kda with host bounds batch under ``jax.vmap`` (the
+    mapped axis folded into one launch, docs/sharding.md); the pool forms,
+    a VarlenBatch and chunk_kda_checkpoints are forward only and
+    unbatchable, and fused_recurrent_kda is forward only: grad, jvp and vmap
+    of those raise ``kda_jax.NotDifferentiableError`` /
+    ``kda_jax.NotBatchableError`` (``NotImplementedError`` subclasses)
+    naming the form and the alternative. A ``cu_seqlens`` mapped by
+    ``jax.vmap`` raises ValueError (bounds are host data). Inside
+    ``jax.shard_map`` both paths run each device's shard, with q..beta split
+    over B and/or over heads (H and HV together).
 """
 
 
-def chunk_kda(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-    lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    state_v_first=False, chunk_size=64, cu_seqlens=None, state_cache=None, state_indices=None,
-    has_initial_state=None, implementation=None, context_axis=None, read_indices=None,
-    write_indices=None, num_accepted_tokens=None, checkpoint_every=None,
-    checkpoint_indices=None,
-):
+def _chunk(q, k, v, g, beta, flags: dict, *, chunk_size, cu_seqlens, implementation,
+           context_axis=None, pool_form=False, state_cache=None, rows=None,
+           checkpoint_every=None):
+    """The chunked forms' one dispatch: checks, then the backend's call.
+    ``flags``: the arguments every form shares (scale, initial_state, ...)."""
     devices = context_parallel.axis_devices(context_axis, cu_seqlens)
     opts, bounds, pool = check_call(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-        chunk_size=check_chunk_size(chunk_size), cu_seqlens=cu_seqlens,
-        implementation=implementation,
-        state_cache=state_cache, state_indices=state_indices,
-        has_initial_state=has_initial_state, context_devices=devices,
-        read_indices=read_indices, write_indices=write_indices,
-        num_accepted_tokens=num_accepted_tokens,
-    )
+        q, k, v, g, beta, **flags, chunk_size=check_chunk_size(chunk_size),
+        cu_seqlens=cu_seqlens, implementation=implementation, pool_form=pool_form,
+        state_cache=state_cache, rows=rows, context_devices=devices)
     if checkpoint_every is not None and state_pool.token_rows(pool) is not None:
         raise ValueError(
-            f"checkpoint_every={checkpoint_every!r} with a speculative-verify state_indices of "
-            f"shape {tuple(pool.write_indices.shape)}: a verify already keeps the state after "
-            "every token in its rows; drop checkpoint_every, or pass state_indices [N]")
-    every, ckpt_rows = check_checkpoints(checkpoint_every, checkpoint_indices,
-                                         chunk_size=opts.chunk_size, bounds=bounds, pool=pool,
-                                         context_axis=context_axis)
+            f"checkpoint_every={checkpoint_every!r} with a speculative-verify "
+            f"rows.ssm_state_indices of shape {tuple(pool.write_indices.shape)}: a verify "
+            "already keeps the state after every token in its rows; drop checkpoint_every, "
+            "or pass ssm_state_indices [N]")
+    every, ckpt_rows = check_checkpoints(
+        checkpoint_every, None if rows is None else rows.checkpoint_indices,
+        chunk_size=opts.chunk_size, bounds=bounds, pool=pool)
     backend = _choose_backend(implementation, q, v)
     if bounds is None:
         out = _no_sequence(q, v, opts, pool)
         return out if every is None or pool is not None else out + (_no_checkpoints(q, v, opts),)
-    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, pool)
+    args = (q, k, v, g, beta, flags["initial_state"], flags["A_log"], flags["dt_bias"], pool)
     if state_pool.token_rows(pool) is not None:
         # A verify writes the state after every token, which the chunked form
         # never holds: the token-by-token kernel is the one for it.
-        if context_axis is not None:
-            context_parallel.check_call(pool, backend, q, v, TRITON_MAX_HEAD_DIM, context_axis)
         return _recurrent(backend, args, opts, bounds)
     config = bwd_config = None
     if backend == "triton":
@@ -338,7 +308,7 @@ def chunk_kda(
             return _chunk_triton(*args, opts=opts, bounds=bounds, config=config, **ckpt)
         return _chunk_xla(*args, opts=opts, bounds=bounds, **ckpt)
     if context_axis is not None:
-        context_parallel.check_call(pool, backend, q, v, TRITON_MAX_HEAD_DIM, context_axis)
+        context_parallel.check_call(backend, q, v, TRITON_MAX_HEAD_DIM, context_axis)
         return context_parallel.chunk_kda_context(
             _core(backend, config, bwd_config), *args[:-1], opts=opts, bounds=bounds,
             rows=q.shape[0], axis=context_axis, devices=devices)
@@ -352,89 +322,193 @@ def chunk_kda(
     return _chunk_xla(*args, opts=opts, bounds=bounds)
 
 
+def _flags(**flags) -> dict:
+    return flags
+
+
+def chunk_kda(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+    lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+    state_v_first=False, chunk_size=64, cu_seqlens=None, implementation=None,
+    context_axis=None,
+):
+    flags = _flags(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first)
+    return _chunk(q, k, v, g, beta, flags, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                  implementation=implementation, context_axis=context_axis)
+
+
+def chunk_kda_checkpoints(
+    q, k, v, g, beta, *, checkpoint_every, scale=None, initial_state=None,
+    output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+    A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False, state_v_first=False, chunk_size=64, cu_seqlens=None,
+    implementation=None,
+):
+    flags = _flags(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first)
+    if checkpoint_every is None:
+        raise TypeError(
+            "chunk_kda_checkpoints needs checkpoint_every, a positive Python int that is a "
+            f"multiple of chunk_size={chunk_size!r}; without checkpoints call kda_jax.chunk_kda")
+    return _chunk(q, k, v, g, beta, flags, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                  implementation=implementation, checkpoint_every=checkpoint_every)
+
+
+def chunk_kda_pool(
+    q, k, v, g, beta, state_cache, rows, *, scale=None, use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+    chunk_size=64, cu_seqlens=None, implementation=None, checkpoint_every=None,
+):
+    flags = _flags(
+        scale=scale, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first)
+    return _chunk(q, k, v, g, beta, flags, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                  implementation=implementation, state_cache=state_cache,
+                  pool_form=True, rows=rows, checkpoint_every=checkpoint_every)
+
+
 chunk_kda.__doc__ = (
     """Kimi Delta Attention, chunked (prefill and training).
 
     Computes the gated delta rule with per-channel decay of docs/kda.md section 1
     in chunks of ``chunk_size`` (32 or 64) tokens. Call it inside ``jax.jit``;
     with ``cu_seqlens`` the varlen metadata is built on the host at trace time.
+    fla's ``chunk_kda`` with the same names and meaning; the serving forms are
+    :func:`chunk_kda_pool` and :func:`chunk_kda_checkpoints`.
 """
-    + _ARGS_DOC
-    + """      chunk_size: a Python int (or NumPy integer), 32 or 64; a float, bool or
-        array raises TypeError.
-      context_axis: None, or a mesh axis name: context parallel inside
+    + _INPUTS_DOC + _STATE_DOC + _OPTIONS_DOC + _CHUNK_SIZE_DOC
+    + """      context_axis: None, or a mesh axis name: context parallel inside
         ``jax.shard_map``, each device of the axis holding a contiguous 1/n
         of every row's tokens (q..beta ``[B, T / n, ...]``; cu_seqlens the
         global host bounds of all ``T`` packed tokens; initial_state the same
         on every device). Sequences may cross devices; o is this device's
-        rows, final_state all N sequences' on every device. Not with
-        state_cache or a VarlenBatch; on the Triton path V + K <= 256.
-        docs/kda.md section 7.
-      checkpoint_every: None, or a positive Python int n, a multiple of
-        chunk_size: prefill checkpoints (prefix caching). The call then
-        returns ``(o, final_state, checkpoints)`` (final_state None unless
-        ``output_final_state``): ``checkpoints`` float32 ``[C, HV, K, V]``
-        (``[C, HV, V, K]`` with ``state_v_first``) holds, sequence by
-        sequence in order, the state before each n-token interval: the
-        initial state (or zeros), the state after n tokens, after 2n, ...;
-        C = sum over sequences of ceil(len / n), an empty sequence has none
-        (the state after the last token is the final state, not a
-        checkpoint). Checkpoint j of a sequence equals the final state of a
-        call on its first j * n tokens from the same initial state, on the
-        same path: bit for bit on the Triton path (against an unsegmented
-        call: the segmented chain rounds otherwise), to float32 rounding on the
-        XLA path (its scan's products round with the number of lanes the
-        sequences are packed in). Host bounds only (C is fixed at trace
-        time); with a VarlenBatch use the pool form. Such calls run
-        unsegmented (no segmented state chain, no ``context_axis``).
-        On the Triton path they are forward only (``jax.grad`` and
-        ``jax.vmap`` raise ``kda_jax.NotDifferentiableError`` /
-        ``NotBatchableError``); the XLA path differentiates through them.
-      checkpoint_indices: with ``state_cache`` (required there), int32
-        ``[N, J]``, J >= the most intervals any sequence has (extra columns
-        are ignored): checkpoint j of sequence n is written to pool row
-        ``checkpoint_indices[n, j]`` (a negative index skips it), rounded
-        once to the pool's dtype, and the call returns ``(o,
-        new_state_cache)``. Device data (traced; no read-back, no recompile
-        when values change) or NumPy, which is checked on the host where the
-        bounds are known: rows in [0, slots), each named once and none a row
-        a final state is written to. Device indices are not checked: an index
-        outside [0, slots) skips and a row written twice is undefined;
-        columns past J skip on both paths. A checkpoint row that
-        another sequence of the same call reads is undefined on the Triton
-        path (its programs run in any order).
-
+        rows, final_state all N sequences' on every device. Not with a
+        VarlenBatch; on the Triton path V + K <= 256. docs/kda.md section 7.
+"""
+    + _RETURNS_STATE + _TRANSFORMS_DOC
+    + """
     Long sequences with few heads run as parallel segments on the Triton
     path (docs/kda.md section 7; kda_jax.configs.SegmentConfig).
 """
 )
+
+_CHECKPOINTS_DOC = """      checkpoint_every: a positive Python int n, a multiple of chunk_size: the
+        state before each n-token interval of every sequence is kept (prefix
+        caching): the initial state (or zeros), the state after n tokens,
+        after 2n, ... A sequence of length L has ceil(L / n) of them (none if
+        empty: the state after the last token is the final state, not a
+        checkpoint). Checkpoint j of a sequence equals the final state of a
+        call on its first j * n tokens from the same initial state, on the
+        same path: bit for bit on the Triton path (against an unsegmented
+        call: the segmented chain rounds otherwise), to float32 rounding on
+        the XLA path (its scan's products round with the number of lanes the
+        sequences are packed in). Such calls run unsegmented.
+"""
+
+chunk_kda_checkpoints.__doc__ = (
+    """:func:`chunk_kda` keeping prefill checkpoints: the states at every
+    ``checkpoint_every`` tokens of each sequence, as one array.
+
+    Host bounds only (the number of checkpoints is fixed at trace time); with
+    a VarlenBatch write them into pool rows with :func:`chunk_kda_pool`. On
+    the Triton path forward only; the XLA path differentiates through it.
+"""
+    + _INPUTS_DOC + _CHECKPOINTS_DOC + _STATE_DOC + _OPTIONS_DOC + _CHUNK_SIZE_DOC
+    + """
+    Returns:
+      ``(o, final_state, checkpoints)``: o and final_state as
+      :func:`chunk_kda`'s; ``checkpoints`` float32 ``[C, HV, K, V]``
+      (``[C, HV, V, K]`` with ``state_v_first``), sequence by sequence in
+      order, C = the sum over sequences of ceil(len / checkpoint_every).
+"""
+    + _TRANSFORMS_DOC
+)
+
+chunk_kda_pool.__doc__ = (
+    """:func:`chunk_kda` on a paged state pool (serving prefill): each sequence
+    starts from its pool row and writes its final state to a pool row.
+
+    A speculative verify (``rows.ssm_state_indices`` [N, 1 + drafts]) runs
+    the token-by-token kernel, as :func:`fused_recurrent_kda_pool` does: the
+    chunked form holds no state between chunk boundaries.
+"""
+    + _INPUTS_DOC + _POOL_DOC
+    + """      checkpoint_every: None, or as :func:`chunk_kda_checkpoints`'s: the
+        checkpoints are written to the rows of ``rows.checkpoint_indices``
+        ``[N, J]`` (J >= the most intervals any sequence has; extra columns
+        are ignored, a negative entry skips one), each rounded once to the
+        pool's dtype. NumPy indices are checked where the bounds are known
+        (rows in [0, slots), each named once, none a row a final state is
+        written to or another sequence reads); device ones are not: an index
+        outside [0, slots) skips, a row written twice is undefined.
+"""
+    + _OPTIONS_DOC + _CHUNK_SIZE_DOC + _RETURNS_POOL + _TRANSFORMS_DOC
+)
+
+
+def _recurrent_call(q, k, v, g, beta, flags: dict, *, cu_seqlens, implementation,
+                    pool_form=False, state_cache=None, rows=None):
+    """The token-by-token forms' one dispatch: checks, then the backend's call."""
+    opts, bounds, pool = check_call(
+        q, k, v, g, beta, **flags, chunk_size=None, cu_seqlens=cu_seqlens,
+        implementation=implementation, pool_form=pool_form, state_cache=state_cache,
+        rows=rows)
+    if pool is not None and rows.checkpoint_indices is not None:
+        raise ValueError(
+            "rows.checkpoint_indices with fused_recurrent_kda_pool: checkpoints are taken by "
+            "kda_jax.chunk_kda_pool with checkpoint_every; drop checkpoint_indices")
+    backend = _choose_backend(implementation, q, v)
+    if bounds is None:
+        return _no_sequence(q, v, opts, pool)
+    return _recurrent(backend, (q, k, v, g, beta, flags["initial_state"], flags["A_log"],
+                                flags["dt_bias"], pool), opts, bounds)
 
 
 def fused_recurrent_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    state_v_first=False, cu_seqlens=None, state_cache=None, state_indices=None,
-    has_initial_state=None, implementation=None, read_indices=None, write_indices=None,
-    num_accepted_tokens=None,
+    state_v_first=False, cu_seqlens=None, implementation=None,
 ):
-    opts, bounds, pool = check_call(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-        chunk_size=None, cu_seqlens=cu_seqlens, implementation=implementation,
-        state_cache=state_cache, state_indices=state_indices,
-        has_initial_state=has_initial_state, read_indices=read_indices,
-        write_indices=write_indices, num_accepted_tokens=num_accepted_tokens,
-    )
-    backend = _choose_backend(implementation, q, v)
-    if bounds is None:
-        return _no_sequence(q, v, opts, pool)
-    return _recurrent(backend, (q, k, v, g, beta, initial_state, A_log, dt_bias, pool), opts,
-                      bounds)
+    flags = _flags(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first)
+    return _recurrent_call(q, k, v, g, beta, flags, cu_seqlens=cu_seqlens,
+                           implementation=implementation)
+
+
+def fused_recurrent_kda_pool(
+    q, k, v, g, beta, state_cache, rows, *, scale=None, use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+    cu_seqlens=None, implementation=None,
+):
+    flags = _flags(
+        scale=scale, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first)
+    return _recurrent_call(q, k, v, g, beta, flags, cu_seqlens=cu_seqlens,
+                           implementation=implementation, pool_form=True,
+                           state_cache=state_cache, rows=rows)
 
 
 def _recurrent(backend: str, args: tuple, opts: KdaOptions, bounds):
@@ -448,7 +522,18 @@ fused_recurrent_kda.__doc__ = (
     """Kimi Delta Attention, token by token (decode).
 
     The same function as :func:`chunk_kda`, computed one token at a time: the
-    form for one-token decode steps and short sequences.
+    form for one-token decode steps and short sequences. fla's
+    ``fused_recurrent_kda`` with the same names and meaning; the pool form is
+    :func:`fused_recurrent_kda_pool`.
 """
-    + _ARGS_DOC
+    + _INPUTS_DOC + _STATE_DOC + _OPTIONS_DOC + _RETURNS_STATE + _TRANSFORMS_DOC
+)
+
+fused_recurrent_kda_pool.__doc__ = (
+    """:func:`fused_recurrent_kda` on a paged state pool (serving decode and
+    speculative verify): fla's ``fused_recurrent_kda_fwd`` with
+    ``ssm_state_indices`` and ``num_accepted_tokens``, the pool updated as a
+    new array (in place when donated).
+"""
+    + _INPUTS_DOC + _POOL_DOC + _OPTIONS_DOC + _RETURNS_POOL + _TRANSFORMS_DOC
 )

@@ -41,8 +41,8 @@ class VarlenBatch:
     * q, k, v, g, beta are ``[1, bucket.max_tokens, ...]``; rows past the real
       token count belong to no sequence: their o is 0 and they touch no state
       (their contents are never read).
-    * ``initial_state``, final states, ``state_indices`` and
-      ``has_initial_state`` are ``[bucket.max_seqs, ...]``; sequence slots
+    * ``initial_state``, final states and a pool's rows (``PoolRows``) are
+      ``[bucket.max_seqs, ...]``; sequence slots
       past the real count are empty sequences (a final state equals its
       initial state, or zeros). With a state pool their indices are ignored
       (treated as -1: nothing read, nothing written), so padding them with -1

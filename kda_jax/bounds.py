@@ -392,8 +392,8 @@ class Bucket:
     and hashable: the static part of :class:`kda_jax.VarlenBatch`.
 
     Attributes:
-      max_seqs: sequence slots N_b. ``initial_state``, ``state_indices``,
-        ``has_initial_state`` and final states are ``[max_seqs, ...]``; slots
+      max_seqs: sequence slots N_b. ``initial_state``, a pool's rows
+        (``PoolRows``) and final states are ``[max_seqs, ...]``; slots
         past the real sequence count are empty sequences.
       max_tokens: token rows T_b: q, k, v, g, beta are ``[1, max_tokens, ...]``;
         rows past the real token count belong to no sequence.

@@ -282,51 +282,20 @@ def _int_vector(x, name: str, n: int, what: str, kind: str):
         raise TypeError(f"{name} must be {wanted} array [N], got dtype {dtype}")
 
 
-def _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
-                          output_final_state: bool, read_indices=None, write_indices=None,
-                          num_accepted_tokens=None):
-    """Which pool arguments go together: indices only with a pool, a pool
-    neither with initial_state nor with output_final_state, and either
-    state_indices or both read_indices and write_indices."""
-    if state_cache is None:
-        for name, value in (("state_indices", state_indices),
-                            ("read_indices", read_indices), ("write_indices", write_indices),
-                            ("has_initial_state", has_initial_state),
-                            ("num_accepted_tokens", num_accepted_tokens)):
-            if value is not None:
-                raise ValueError(
-                    f"{name} is only used with state_cache (the paged state pool), got "
-                    f"{name} without state_cache; pass state_cache too, or drop {name}"
-                )
-        return
-    if initial_state is not None:
+def _check_rows(rows) -> state_pool.PoolRows:
+    """The pool forms' ``rows``: a :class:`kda_jax.PoolRows` with its
+    ``ssm_state_indices``."""
+    if not isinstance(rows, state_pool.PoolRows):
+        raise TypeError(
+            f"rows must be a kda_jax.PoolRows (which pool rows each sequence reads and "
+            f"writes), got {type(rows).__name__}; pass e.g. "
+            f"rows=kda_jax.PoolRows(ssm_state_indices=np.asarray(indices, np.int32))")
+    if rows.ssm_state_indices is None:
         raise ValueError(
-            "initial_state and state_cache were both passed; with state_cache the initial "
-            "states are read from state_cache[state_indices]: write them into the pool's "
-            "rows and drop initial_state (or drop state_cache)"
-        )
-    if output_final_state:
-        raise ValueError(
-            "output_final_state=True and state_cache were both passed; with state_cache the "
-            "final states are written into the pool and the call returns "
-            "(o, new_state_cache): drop output_final_state"
-        )
-    slots_given = (read_indices is not None, write_indices is not None)
-    if any(slots_given):
-        if state_indices is not None:
-            raise ValueError(
-                "state_indices and read_indices / write_indices were both passed; pass "
-                "state_indices (each sequence reads and writes one row) or read_indices and "
-                "write_indices (separate rows), not both"
-            )
-        if not all(slots_given):
-            given, missing = (("read_indices", "write_indices") if slots_given[0]
-                              else ("write_indices", "read_indices"))
-            raise ValueError(
-                f"{given} needs {missing}: read and write slots come as a pair of int32 "
-                f"arrays [N] (-1 where a sequence reads or writes no row); for one row per "
-                f"sequence pass state_indices instead"
-            )
+            "rows.ssm_state_indices is None: a pool call needs the row each sequence "
+            "starts from, int32 [N] (negative for a padding slot), or [N, 1 + drafts] for a "
+            "speculative verify")
+    return rows
 
 
 def _check_cache(state_cache, dims: _Dims, v_first: bool) -> int:
@@ -380,7 +349,7 @@ def _host_rows(idx: np.ndarray, valid: np.ndarray, slots: int, name: str, *,
     return rows
 
 
-def _check_host_indices(idx: np.ndarray, slots: int, real: int, name: str = "state_indices",
+def _check_host_indices(idx: np.ndarray, slots: int, real: int, name: str,
                         shared_rows: bool = False) -> np.ndarray:
     """NumPy indices ``[N]`` or ``[N, W]``: the first ``real`` rows must name
     pool rows in [0, slots) or be negative (padding), distinct unless
@@ -407,17 +376,17 @@ def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: 
     columns. NumPy counts are checked to lie in [1, W]."""
     if not hasattr(state_indices, "shape") or not hasattr(state_indices, "dtype"):
         raise TypeError(
-            f"state_indices must be an int32 array [N] or [N, 1 + drafts], got "
+            f"rows.ssm_state_indices must be an int32 array [N] or [N, 1 + drafts], got "
             f"{type(state_indices).__name__}")
     w = int(state_indices.shape[1])
     if tuple(state_indices.shape) != (n, w) or w < 1:
         raise ValueError(
-            f"state_indices [N, 1 + drafts] (speculative verify) must have N = {what} = {n} "
+            f"rows.ssm_state_indices [N, 1 + drafts] (speculative verify) must have N = {what} = {n} "
             f"rows and at least one column, got shape {tuple(state_indices.shape)}")
     dtype = np.dtype(state_indices.dtype)
     if not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
-        raise TypeError(f"state_indices must be an int32 array [N, 1 + drafts], got dtype "
-                        f"{dtype}; pass np.asarray(state_indices, np.int32)")
+        raise TypeError(f"rows.ssm_state_indices must be an int32 array [N, 1 + drafts], got dtype "
+                        f"{dtype}; pass np.asarray(ssm_state_indices, np.int32)")
     real = _real_slots(bounds)
     lens = None if bounds is None else _host_lengths(bounds)
     if lens is not None:
@@ -425,55 +394,51 @@ def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: 
         if long.size:
             i = int(long[0])
             raise ValueError(
-                f"sequence {i} has {int(lens[i])} tokens but state_indices has {w} columns "
+                f"sequence {i} has {int(lens[i])} tokens but rows.ssm_state_indices has {w} columns "
                 f"(one per token's state in a verify step, shape {tuple(state_indices.shape)}): "
-                f"give state_indices at least {int(lens.max())} columns, or verify at most {w} "
+                f"give ssm_state_indices at least {int(lens.max())} columns, or verify at most {w} "
                 f"tokens per sequence")
     if isinstance(state_indices, np.ndarray) and real is not None:
-        rows = _check_host_indices(state_indices, slots, real)
+        rows = _check_host_indices(state_indices, slots, real, "rows.ssm_state_indices")
     else:
         rows = state_pool.narrow_indices(state_indices, slots)
     if num_accepted_tokens is None:
         return state_pool.StatePool(None, rows[:, 0], None, rows)
-    _int_vector(num_accepted_tokens, "num_accepted_tokens", n, what, "int")
+    _int_vector(num_accepted_tokens, "rows.num_accepted_tokens", n, what, "int")
     if isinstance(num_accepted_tokens, np.ndarray) and real is not None:
         acc = num_accepted_tokens[:real]
         bad = np.flatnonzero((acc < 1) | (acc > w))
         if bad.size:
             i = int(bad[0])
             raise ValueError(
-                f"num_accepted_tokens[{i}]={int(acc[i])} is outside [1, {w}] (state_indices has "
+                f"rows.num_accepted_tokens[{i}]={int(acc[i])} is outside [1, {w}] (ssm_state_indices has "
                 f"{w} columns): sequence n starts from column num_accepted_tokens[n] - 1, the "
                 f"state after its last accepted token; pass a count in [1, {w}]")
     return state_pool.StatePool(None, state_pool.start_rows(rows, num_accepted_tokens), None,
                                 rows)
 
 
-def _check_pool(state_cache, state_indices, has_initial_state, *, bounds, n, what,
-                dims: _Dims, v_first: bool, read_indices=None,
-                write_indices=None, num_accepted_tokens=None) -> state_pool.StatePool | None:
-    """The pool's arrays; returns a StatePool (int32 indices) or None.
+def _check_pool(state_cache, rows, *, bounds, n, what, dims: _Dims,
+                v_first: bool) -> state_pool.StatePool:
+    """The pool forms' ``state_cache`` and ``rows`` (a
+    :class:`kda_jax.PoolRows`); returns a StatePool (int32 indices).
 
     NumPy indices are checked on the host: with host bounds all N of them,
     with a NumPy VarlenBatch the real sequences' (the header's count; the
     padded slots' are ignored, as on the device). With a batch already on the
     device the real count is unknown here, so NumPy indices are then treated
     as device indices are: only shape and dtype are checked; an index outside
-    [0, slots) is padding, a row written twice is undefined (read_indices may
-    name a row more than once: those rows are only read). Indices wider than
-    int32 are narrowed with out-of-range entries made -1 first, on the host or
-    on the device (pool.narrow_indices), so a large index never wraps onto a row.
+    [0, slots) is padding, a row written twice is undefined (the rows read
+    with ``write_indices`` may name a row more than once: those rows are only
+    read). Indices wider than int32 are narrowed with out-of-range entries
+    made -1 first, on the host or on the device (pool.narrow_indices), so a
+    large index never wraps onto a row.
     """
-    if state_cache is None:
-        return None
+    rows = _check_rows(rows)
     slots = _check_cache(state_cache, dims, v_first)
-    if state_indices is None and read_indices is None:
-        raise ValueError(
-            "state_cache needs state_indices: an int32 array [N] naming each sequence's row "
-            "of the pool (negative for a padding slot), or read_indices and write_indices"
-        )
+    indices, has_initial_state = rows.ssm_state_indices, rows.has_initial_state
 
-    def rows(idx, name, shared_rows=False):
+    def checked(idx, name, shared_rows=False):
         _int_vector(idx, name, n, what, "int")
         if isinstance(idx, np.ndarray):
             real = _real_slots(bounds)
@@ -481,24 +446,38 @@ def _check_pool(state_cache, state_indices, has_initial_state, *, bounds, n, wha
                 return _check_host_indices(idx, slots, real, name, shared_rows)
         return state_pool.narrow_indices(idx, slots)
 
+    if not hasattr(indices, "shape") or not hasattr(indices, "dtype"):
+        raise TypeError(
+            f"rows.ssm_state_indices must be an int32 array [N] or [N, 1 + drafts] (NumPy or "
+            f"jax), got {type(indices).__name__}; pass np.asarray(ssm_state_indices, np.int32)")
     if has_initial_state is not None:
-        _int_vector(has_initial_state, "has_initial_state", n, what, "bool")
-    if state_indices is not None and getattr(state_indices, "ndim", 1) == 2:
-        verify = _check_verify(state_indices, num_accepted_tokens, slots, bounds=bounds, n=n,
+        _int_vector(has_initial_state, "rows.has_initial_state", n, what, "bool")
+    if indices.ndim == 2:
+        if rows.write_indices is not None:
+            raise ValueError(
+                f"rows.write_indices with a speculative-verify rows.ssm_state_indices of shape "
+                f"{tuple(indices.shape)}: a verify writes the state after each token to the "
+                f"rows of ssm_state_indices; drop write_indices, or pass ssm_state_indices [N]")
+        verify = _check_verify(indices, rows.num_accepted_tokens, slots, bounds=bounds, n=n,
                                what=what)
         return verify._replace(cache=state_cache, has_initial_state=has_initial_state)
-    if num_accepted_tokens is not None:
+    if rows.num_accepted_tokens is not None:
         raise ValueError(
-            "num_accepted_tokens is only used with a speculative-verify state_indices of shape "
-            "[N, 1 + drafts] (one row per token's state), got state_indices of shape "
-            f"{None if state_indices is None else tuple(state_indices.shape)}; pass the "
+            "rows.num_accepted_tokens is only used with a speculative-verify "
+            "rows.ssm_state_indices of shape [N, 1 + drafts] (one row per token's state), got "
+            f"ssm_state_indices of shape {tuple(indices.shape)}; pass the "
             "[N, 1 + drafts] indices, or drop num_accepted_tokens")
-    if state_indices is not None:
-        return state_pool.StatePool(state_cache, rows(state_indices, "state_indices"),
+    if rows.write_indices is None:
+        return state_pool.StatePool(state_cache, checked(indices, "rows.ssm_state_indices"),
                                     has_initial_state)
-    read, write = rows(read_indices, "read_indices", True), rows(write_indices, "write_indices")
-    if isinstance(read, np.ndarray) and isinstance(write, np.ndarray):
-        _check_row_owners(read, write, "write_indices")
+    read = checked(indices, "rows.ssm_state_indices", True)
+    write = checked(rows.write_indices, "rows.write_indices")
+    if (isinstance(read, np.ndarray) and isinstance(write, np.ndarray)
+            and (has_initial_state is None or isinstance(has_initial_state, np.ndarray))):
+        # A sequence with has_initial_state False reads no row.
+        _check_row_owners(read if has_initial_state is None
+                          else np.where(has_initial_state, read, -1), write,
+                          "rows.write_indices")
     return state_pool.StatePool(state_cache, read, has_initial_state, write)
 
 
@@ -516,7 +495,7 @@ def _check_row_owners(read: np.ndarray, written: np.ndarray, written_name: str):
         n, e = (int(i) for i in np.argwhere(clash)[0])
         m, row, at = int(pos[e, 0]), int(rows[e]), ", ".join(str(int(i)) for i in pos[e])
         raise ValueError(
-            f"read_indices[{n}]={row} is the row sequence {m} writes in the same call "
+            f"rows.ssm_state_indices[{n}]={row} is the row sequence {m} writes in the same call "
             f"({written_name}[{at}]={row}): a row written in a call belongs to the "
             f"sequence that writes it, and the order between sequences is undefined (on a "
             f"GPU sequence {n} could read the old state or the new one). Read it in the "
@@ -526,11 +505,12 @@ def _check_row_owners(read: np.ndarray, written: np.ndarray, written_name: str):
 def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                 use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
-                cu_seqlens, implementation, state_cache=None, state_indices=None,
-                has_initial_state=None, context_devices: int = 1, read_indices=None,
-                write_indices=None, num_accepted_tokens=None):
+                cu_seqlens, implementation, pool_form: bool = False, state_cache=None,
+                rows=None, context_devices: int = 1):
     """Validates one call; returns (options, bounds, pool or None).
 
+    ``pool_form``: the call is a pool form (``state_cache`` and ``rows``, a
+    :class:`kda_jax.PoolRows`, are checked; None is refused by name).
     ``chunk_size``: chunk_kda's, checked (:func:`check_chunk_size`), or None
     for fused_recurrent_kda. ``bounds``
     is None when B = 0 without cu_seqlens: the call has no sequence.
@@ -559,13 +539,10 @@ def check_call(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                              context_devices)
     n, what = _sequence_slots(bounds, cu_seqlens)
     _check_initial_state(initial_state, n, what, dims, flags["state_v_first"])
-    _check_pool_exclusive(state_cache, state_indices, has_initial_state, initial_state,
-                          flags["output_final_state"], read_indices, write_indices,
-                          num_accepted_tokens)
-    pool = _check_pool(state_cache, state_indices, has_initial_state, bounds=bounds, n=n,
-                       what=what, dims=dims, v_first=flags["state_v_first"],
-                       read_indices=read_indices, write_indices=write_indices,
-                       num_accepted_tokens=num_accepted_tokens)
+    pool = None
+    if pool_form:
+        pool = _check_pool(state_cache, rows, bounds=bounds, n=n, what=what, dims=dims,
+                           v_first=flags["state_v_first"])
     opts = KdaOptions(
         scale=float(scale), lower_bound=lower_bound,
         chunk_size=CHUNK_SIZES[-1] if chunk_size is None else chunk_size, **flags,
@@ -617,7 +594,7 @@ def _check_checkpoint_rows(idx: np.ndarray, used: np.ndarray, slots: int,
     once, and none a row a final state is written to (``final_rows``, NumPy
     int32 [N] or None when device data). Returns them as int32, -1 for every
     entry skipped or unused."""
-    rows = _host_rows(idx, used, slots, "checkpoint_indices",
+    rows = _host_rows(idx, used, slots, "rows.checkpoint_indices",
                       skip="-1 to skip that checkpoint", owners="checkpoints")
     if final_rows is not None:
         final = np.asarray(final_rows)
@@ -626,15 +603,15 @@ def _check_checkpoint_rows(idx: np.ndarray, used: np.ndarray, slots: int,
             row = int(both[0])
             n, j = (int(i) for i in np.argwhere(rows == row)[0])
             raise ValueError(
-                f"checkpoint_indices[{n}, {j}]={row} is also the row sequence "
+                f"rows.checkpoint_indices[{n}, {j}]={row} is also the row sequence "
                 f"{int(np.flatnonzero(final == row)[0])}'s final state is written to "
-                "(state_indices / write_indices); a row takes one state: give the "
+                "(rows.ssm_state_indices / write_indices); a row takes one state: give the "
                 "checkpoint another row, or -1 to skip it")
     return rows.astype(np.int32)
 
 
-def check_checkpoints(checkpoint_every, checkpoint_indices, *, chunk_size: int, bounds, pool,
-                      context_axis=None) -> tuple[int | None, object]:
+def check_checkpoints(checkpoint_every, checkpoint_indices, *, chunk_size: int, bounds,
+                      pool) -> tuple[int | None, object]:
     """chunk_kda's prefill checkpoints: returns ``(every, indices)``, both None
     without checkpoints; ``indices`` is None for the ``[C, ...]`` output, else
     int32 ``[N, J]`` pool rows (NumPy checked on the host where the bounds
@@ -643,47 +620,40 @@ def check_checkpoints(checkpoint_every, checkpoint_indices, *, chunk_size: int, 
     if checkpoint_every is None:
         if checkpoint_indices is not None:
             raise ValueError(
-                "checkpoint_indices was passed without checkpoint_every; pass "
-                "checkpoint_every=n (a multiple of chunk_size) too, or drop checkpoint_indices")
+                "rows.checkpoint_indices was passed without checkpoint_every; pass "
+                "checkpoint_every=n (a multiple of chunk_size) too, or drop "
+                "rows.checkpoint_indices")
         return None, None
     every = _check_every(checkpoint_every, chunk_size)
-    if context_axis is not None:
-        raise ValueError(
-            f"checkpoint_every={every} is not supported with context_axis={context_axis!r} "
-            "(a device holds part of a sequence); run the prefill without context_axis to "
-            "take checkpoints")
     if pool is None:
-        if checkpoint_indices is not None:
-            raise ValueError(
-                "checkpoint_indices is only used with state_cache (checkpoints written into "
-                "pool rows); pass state_cache too, or drop checkpoint_indices for the "
-                "[C, HV, K, V] checkpoints output")
         if isinstance(bounds, VarlenBatch):
             raise ValueError(
                 f"checkpoint_every={every} with a VarlenBatch as cu_seqlens needs the pool "
                 "form: the number of checkpoints depends on the batch's bounds, device data "
-                "unknown at trace time; pass state_cache and checkpoint_indices int32 "
-                "[max_seqs, J] (or host bounds for the [C, HV, K, V] output)")
+                "unknown at trace time; call kda_jax.chunk_kda_pool with "
+                "rows.checkpoint_indices int32 [max_seqs, J] (or pass host bounds for the "
+                "[C, HV, K, V] output)")
         return every, None
     if checkpoint_indices is None:
         raise ValueError(
-            f"checkpoint_every={every} with state_cache writes the checkpoints into pool rows: "
-            "pass checkpoint_indices, int32 [N, J] (row of checkpoint j of sequence n, -1 to "
-            "skip)")
+            f"checkpoint_every={every} with a pool writes the checkpoints into pool rows: "
+            "pass rows.checkpoint_indices, int32 [N, J] (row of checkpoint j of sequence n, "
+            "-1 to skip)")
     n = num_seqs(bounds) if bounds is not None else 0
     idx = checkpoint_indices
     if not hasattr(idx, "shape") or not hasattr(idx, "dtype"):
         raise TypeError(
-            f"checkpoint_indices must be an int32 array [N, J] (NumPy or jax), got "
+            f"rows.checkpoint_indices must be an int32 array [N, J] (NumPy or jax), got "
             f"{type(idx).__name__}; pass np.asarray(checkpoint_indices, np.int32)")
     dtype = np.dtype(idx.dtype)
     if not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
-        raise TypeError(f"checkpoint_indices must be an int32 array [N, J], got dtype {dtype}")
+        raise TypeError(f"rows.checkpoint_indices must be an int32 array [N, J], got dtype "
+                        f"{dtype}")
     lengths = None if bounds is None else _host_lengths(bounds)
     need = 1 if lengths is None else int(checkpoint_counts(lengths, every).max(initial=1))
     if idx.ndim != 2 or idx.shape[0] != n or idx.shape[1] < need:
         raise ValueError(
-            f"checkpoint_indices must have shape ({n}, J) [N, J], one row per sequence slot "
+            f"rows.checkpoint_indices must have shape ({n}, J) [N, J], one row per sequence slot "
             f"and J >= {need} columns (the most intervals of checkpoint_every={every} tokens "
             f"a sequence has; extra columns are ignored), got {tuple(idx.shape)}")
     slots = int(pool.cache.shape[0])
@@ -696,5 +666,5 @@ def check_checkpoints(checkpoint_every, checkpoint_indices, *, chunk_size: int, 
     read_rows, has = pool.indices, pool.has_initial_state
     if isinstance(read_rows, np.ndarray) and (has is None or isinstance(has, np.ndarray)):
         _check_row_owners(read_rows if has is None else np.where(has, read_rows, -1), rows,
-                          "checkpoint_indices")
+                          "rows.checkpoint_indices")
     return every, rows

@@ -59,7 +59,7 @@ def axis_devices(axis, cu_seqlens=None) -> int:
         ) from None
 
 
-def check_call(pool, backend: str, q, v, max_head_dim: int, axis: str):
+def check_call(backend: str, q, v, max_head_dim: int, axis: str):
     """What context parallelism does not serve (beyond :func:`axis_devices`'
     checks), as errors naming the fix. Under shard_map's vma checks q must vary
     over ``axis``: otherwise its in_spec does not split T (k, v, g, beta split
@@ -69,11 +69,6 @@ def check_call(pool, backend: str, q, v, max_head_dim: int, axis: str):
             f"context_axis={axis!r}: q is the same on every device of the axis (its in_spec "
             f"does not split it over {axis!r}); split T: in_specs=P(None, {axis!r}) for q, "
             "k, v, g, beta")
-    if pool is not None:
-        raise ValueError(
-            "context_axis with state_cache is not supported (the pool's rows would be "
-            "written by the device holding each sequence's end); pass initial_state and "
-            "output_final_state=True instead")
     kd, vd = q.shape[-1], v.shape[-1]
     if backend == "triton" and kd + vd > max_head_dim:
         raise ValueError(

@@ -21,8 +21,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["StatePool", "narrow_indices", "start_rows", "read_index", "write_index", "token_rows",
+__all__ = ["PoolRows", "StatePool", "narrow_indices", "start_rows", "read_index", "write_index", "token_rows",
            "read_states", "write_states", "write_rows", "gather_run_scatter"]
+
+
+class PoolRows(NamedTuple):
+    """Which rows of a state pool each sequence of a call reads and writes: the
+    ``rows`` argument of :func:`kda_jax.chunk_kda_pool` and
+    :func:`kda_jax.fused_recurrent_kda_pool` (a pytree: it passes through
+    ``jax.jit`` as an argument; ``None`` fields are absent).
+
+    N is the call's sequence slots: the sequences of ``cu_seqlens``, B
+    without it, or a VarlenBatch's ``max_seqs``. Integer arrays are NumPy
+    (checked on the host where the bounds are known) or jax (traced allowed;
+    not checked, which would need a device read). Indices wider than int32
+    are narrowed with every entry outside [0, slots) made -1 first, so none
+    wraps onto a row.
+
+    ssm_state_indices: int32 ``[N]``: sequence n starts from pool row
+      ``ssm_state_indices[n]`` and, without ``write_indices``, writes its
+      final state back to it; negative is a padding slot (nothing read, o
+      from a zero state; nothing written). Or int32 ``[N, W]``, W = 1 +
+      drafts (speculative verify, fla's ``ssm_state_indices`` with
+      ``num_accepted_tokens``): row ``[n, t]`` receives the state after
+      token t of sequence n (-1: none), and no other final state is written.
+    num_accepted_tokens: int32 ``[N]``, only with ``[N, W]`` indices: the
+      accepted tokens of each sequence's last verify, in [1, W]; sequence n
+      starts from row ``ssm_state_indices[n, num_accepted_tokens[n] - 1]``
+      (column 0 without them). A device count outside [1, W] reads no row.
+    write_indices: int32 ``[N]``: the row each sequence writes its final
+      state to, where it is not the row it reads (prefix caching: a cached
+      prefix read and left as it is); ``ssm_state_indices`` are then the
+      rows read, and several sequences may read one row. -1 writes nothing.
+    has_initial_state: bool ``[N]``: False starts the sequence from zeros
+      without reading its row (which may hold garbage); its state is still
+      written. None: every sequence reads its row.
+    checkpoint_indices: int32 ``[N, J]``, with ``checkpoint_every`` of
+      :func:`kda_jax.chunk_kda_pool`: checkpoint j of sequence n (the state
+      before its j-th interval of ``checkpoint_every`` tokens) is written to
+      row ``checkpoint_indices[n, j]``; -1 skips it, columns past a
+      sequence's intervals are ignored.
+
+    A row is owned by one sequence within a call: written rows are distinct
+    over the whole call (final states, verify rows and checkpoints), and no
+    sequence reads a row that another one writes. NumPy indices that break
+    this are refused, naming the rows; with device indices it is undefined
+    (the sequences run in no order on a GPU).
+    """
+
+    ssm_state_indices: object
+    num_accepted_tokens: object = None
+    write_indices: object = None
+    has_initial_state: object = None
+    checkpoint_indices: object = None
 
 
 class StatePool(NamedTuple):

@@ -18,8 +18,7 @@ from kda_jax.testing import make_inputs
 FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
 # The reference takes the same checks (kda_jax.checks), less the arguments it lacks.
 CHECKED = {**FNS, "reference": kda_jax.naive_recurrent_kda}
-REFERENCE_LACKS = ("implementation", "state_cache", "state_indices", "has_initial_state",
-                   "chunk_size")
+REFERENCE_LACKS = ("implementation", "chunk_size")
 B, T, H, HV, K, V = 1, 10, 2, 4, 8, 12
 
 
@@ -329,11 +328,14 @@ def test_zero_batch_gives_the_empty_result(fn, impl):
         _call(fn, args, initial_state=np.zeros((1, 4, 8, 6), np.float32))
 
 
-@pytest.mark.parametrize("fn", FNS.values(), ids=FNS.keys())
+POOL_FNS = {"chunk": kda_jax.chunk_kda_pool, "recurrent": kda_jax.fused_recurrent_kda_pool}
+
+
+@pytest.mark.parametrize("fn", POOL_FNS.values(), ids=POOL_FNS.keys())
 def test_zero_batch_with_a_pool_leaves_it_unchanged(fn):
     args = _sized(B=0, T=3, H=1, HV=2, K=4, V=4)
     pool = np.random.default_rng(0).standard_normal((3, 2, 4, 4)).astype(np.float32)
-    o, new = _call(fn, args, state_cache=pool, state_indices=np.zeros(0, np.int32),
-                   implementation="xla")
+    o, new = fn(*args.values(), pool, kda_jax.PoolRows(np.zeros(0, np.int32)),
+                implementation="xla")
     assert o.shape == (0, 3, 2, 4)
     np.testing.assert_array_equal(np.asarray(new), pool)

@@ -1,5 +1,5 @@
 """The bucketed varlen form (kda_jax.VarlenBatch) through chunk_kda and
-fused_recurrent_kda, on both implementations, against the static form and the
+fused_recurrent_kda (and their pool forms), on both implementations, against the static form and the
 float32 reference.
 
 Padded token rows hold NaN (they must never be read; their o must be exactly
@@ -24,6 +24,8 @@ from guards import no_device_reads
 NO_TRITON = unavailable_reason()
 ON_GPU = NO_TRITON is None and not interpret_mode()
 FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
+POOL_FNS = {"chunk": kda_jax.chunk_kda_pool, "recurrent": kda_jax.fused_recurrent_kda_pool}
+PoolRows = kda_jax.PoolRows
 IMPLS = [pytest.param("xla"),
          pytest.param("triton", marks=pytest.mark.skipif(
              NO_TRITON is not None, reason=f"Triton path unavailable: {NO_TRITON}"))]
@@ -95,10 +97,10 @@ def test_equals_static_with_a_pool(fn, impl, check_close):
     real_idx = np.array([5, 0, 2, 6], np.int32)
     idx = jnp.asarray(np.concatenate([real_idx, [0, 7, 5, -1]]), jnp.int32)
     has = np.array([True, False, True, True] + [True] * 4)
-    o, new = FNS[fn](*padded, cu_seqlens=batch, state_cache=pool, state_indices=idx,
-                     has_initial_state=has, implementation=impl)
-    so, snew = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool, state_indices=real_idx,
-                       has_initial_state=has[:4], implementation=impl)
+    o, new = POOL_FNS[fn](*padded, pool, PoolRows(idx, has_initial_state=has),
+                          cu_seqlens=batch, implementation=impl)
+    so, snew = POOL_FNS[fn](*x.args(), pool, PoolRows(real_idx, has_initial_state=has[:4]),
+                            cu_seqlens=cu, implementation=impl)
     new, snew = np.asarray(new), np.asarray(snew)
     np.testing.assert_allclose(np.asarray(o)[:, :t], np.asarray(so), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new[real_idx], snew[real_idx], rtol=1e-5, atol=1e-6)
@@ -125,8 +127,8 @@ def test_read_and_write_slots_in_a_bucket(fn, impl, check_close):
     pool[7] = np.nan  # named by padded slots only
     read = np.array([2, 2, -1, 6, 7, 7, 0, 1], np.int32)
     write = np.array([5, 0, 3, 6, 7, 1, 4, 2], np.int32)
-    o, new = FNS[fn](*padded, cu_seqlens=batch, state_cache=pool, read_indices=jnp.asarray(read),
-                     write_indices=jnp.asarray(write), implementation=impl)
+    rows = PoolRows(jnp.asarray(read), write_indices=jnp.asarray(write))
+    o, new = POOL_FNS[fn](*padded, pool, rows, cu_seqlens=batch, implementation=impl)
     new = np.asarray(new)
     h0 = np.where((read[:4] >= 0)[:, None, None, None], pool[np.maximum(read[:4], 0)], 0.0)
     ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, initial_state=h0,
@@ -168,8 +170,8 @@ def test_many_bounds_compile_once_without_reading_back(fn, impl, check_close):
 
     def step(pool, idx, q, k, v, g, beta, batch):
         traces.append(batch.bucket)
-        return FNS[fn](q, k, v, g, beta, cu_seqlens=batch, state_cache=pool,
-                       state_indices=idx, implementation=impl)
+        return POOL_FNS[fn](q, k, v, g, beta, pool, PoolRows(idx), cu_seqlens=batch,
+                            implementation=impl)
 
     jitted = jax.jit(step, donate_argnums=0)
     pool0 = _pool(5)
@@ -209,8 +211,8 @@ def test_a_numpy_batch_goes_to_jit_as_it_is():
     one compile over many bounds, no read back, the device_put result."""
     bucket = Bucket(max_seqs=8, max_tokens=64)
     def step(pool, idx, batch, *x):
-        return kda_jax.chunk_kda(*x, cu_seqlens=batch, state_cache=pool, state_indices=idx,
-                                 implementation="xla")
+        return kda_jax.chunk_kda_pool(*x, pool, PoolRows(idx), cu_seqlens=batch,
+                                      implementation="xla")
 
     # A NumPy and a device argument are two cache entries: the device_put
     # comparison runs through its own function.
@@ -254,14 +256,14 @@ def test_mixed_batch_equals_separate_calls(fn, impl, check_close):
     nb = BUCKET.max_seqs
     idx_b = np.concatenate([idx, np.full(nb - len(lens), -1, np.int32)])
     has_b = np.concatenate([has, np.zeros(nb - len(lens), bool)])
-    o, new = FNS[fn](*padded, cu_seqlens=batch, state_cache=pool, state_indices=idx_b,
-                     has_initial_state=has_b, implementation=impl)
+    o, new = POOL_FNS[fn](*padded, pool, PoolRows(idx_b, has_initial_state=has_b),
+                          cu_seqlens=batch, implementation=impl)
     chained, outs = pool, []
     for i, n in enumerate(lens):
         part = [a[:, cu[i]:cu[i + 1]] for a in x.args()]
-        o_i, chained = FNS[fn](*part, cu_seqlens=[0, n], state_cache=chained,
-                               state_indices=idx[i:i + 1], has_initial_state=has[i:i + 1],
-                               implementation=impl)
+        o_i, chained = POOL_FNS[fn](*part, chained,
+                                    PoolRows(idx[i:i + 1], has_initial_state=has[i:i + 1]),
+                                    cu_seqlens=[0, n], implementation=impl)
         outs.append(np.asarray(o_i))
     t = int(cu[-1])
     check_close(np.asarray(o)[:, :t], np.concatenate(outs, axis=1), "float32", "o")
@@ -314,9 +316,8 @@ def test_all_empty_with_a_pool(impl):
     pool[2] = np.nan
     # Slots 2, 3 are padded: ignored (unmasked, slot 2 would zero row 6).
     idx = jnp.asarray([4, 2, 6, 1], jnp.int32)
-    o, new = kda_jax.chunk_kda(*padded, cu_seqlens=batch, state_cache=pool, state_indices=idx,
-                               has_initial_state=np.array([True, False, False, True]),
-                               implementation=impl)
+    rows = PoolRows(idx, has_initial_state=np.array([True, False, False, True]))
+    o, new = kda_jax.chunk_kda_pool(*padded, pool, rows, cu_seqlens=batch, implementation=impl)
     new = np.asarray(new)
     np.testing.assert_array_equal(new[2], 0.0)
     for row in (0, 1, 3, 4, 5, 6, 7):
@@ -328,8 +329,8 @@ def test_all_empty_with_a_pool(impl):
 def test_bucketed_step_updates_a_donated_pool_in_place(impl):
     lens = [1, 9, 1]
     _, _, padded, batch = _case(14, lens)
-    step = jax.jit(lambda pool, idx, *a: kda_jax.chunk_kda(
-        *a[:5], cu_seqlens=a[5], state_cache=pool, state_indices=idx, implementation=impl),
+    step = jax.jit(lambda pool, idx, *a: kda_jax.chunk_kda_pool(
+        *a[:5], pool, PoolRows(idx), cu_seqlens=a[5], implementation=impl),
         donate_argnums=0)
     pool = jax.device_put(_pool(15)).copy()
     idx = jnp.asarray([3, 1, 6, -1, -1, -1, -1, -1], jnp.int32)
@@ -342,7 +343,8 @@ def test_bucketed_step_updates_a_donated_pool_in_place(impl):
         assert new.unsafe_buffer_pointer() == where, "the pool was copied, not updated"
 
 
-# (id, how to break the call, error, message)
+# (id, how to break the call, error, message); a state_cache in the keywords
+# makes it the pool form's call, with rows.
 ERRORS = [
     ("tokens-not-the-bucket", lambda a, kw: ([x[:, :100] for x in a], kw), ValueError,
      r"with a VarlenBatch as cu_seqlens, q, k, v, g, beta must be \[1, max_tokens=128, "
@@ -350,9 +352,9 @@ ERRORS = [
     ("initial-state-real-N", lambda a, kw: (a, dict(kw, initial_state=np.zeros(
         (4, HV, K, V), np.float32))), ValueError,
      r"initial_state must have shape \(8, 2, 32, 32\).*N = the bucket's max_seqs = 8"),
-    ("indices-real-N", lambda a, kw: (a, dict(kw, state_cache=_pool(0), state_indices=np.arange(
-        4, dtype=np.int32))), ValueError,
-     r"state_indices must have shape \(8,\) \[N\].*N = the bucket's max_seqs = 8"),
+    ("indices-real-N", lambda a, kw: (a, dict(kw, state_cache=_pool(0), rows=PoolRows(
+        np.arange(4, dtype=np.int32)))), ValueError,
+     r"rows\.ssm_state_indices must have shape \(8,\) \[N\].*N = the bucket's max_seqs = 8"),
 ]
 
 
@@ -363,7 +365,11 @@ def test_bad_bucketed_calls(fn, case):
     _, _, padded, batch = _case(0, [5, 0, 1, 70])
     args, kw = change(padded, dict(cu_seqlens=batch, implementation="xla"))
     with pytest.raises(error, match=match):
-        FNS[fn](*args, **kw)
+        if "state_cache" in kw:
+            pool, rows = kw.pop("state_cache"), kw.pop("rows")
+            POOL_FNS[fn](*args, pool, rows, **kw)
+        else:
+            FNS[fn](*args, **kw)
 
 
 def test_chunk_size_must_match_the_bucket():

@@ -1,8 +1,9 @@
-"""Prefill checkpoints (chunk_kda's checkpoint_every / checkpoint_indices) on
-both implementations: each checkpoint is the state before an interval of
-checkpoint_every tokens, checked against the final states of a prefix-only
-call on the same path and against the float32 reference; the pool form
-(rows by checkpoint_indices, -1 skips, a bfloat16 pool, the bucketed form);
+"""Prefill checkpoints (chunk_kda_checkpoints, and chunk_kda_pool's
+checkpoint_every with rows.checkpoint_indices) on both implementations: each
+checkpoint is the state before an interval of checkpoint_every tokens,
+checked against the final states of a prefix-only call on the same path and
+against the float32 reference; the pool form (rows by
+rows.checkpoint_indices, -1 skips, a bfloat16 pool, the bucketed form);
 and the argument errors.
 
 A prefix-only call here is one varlen call whose sequences are the prefixes:
@@ -86,9 +87,9 @@ def _assert_same_path(actual, expected, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_checkpoints_equal_prefix_runs(impl, every, check_close):
     x, cu = _inputs(1, LENS)
-    o, final, ckpt = kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, initial_state=x.initial_state,
-                                       output_final_state=True, checkpoint_every=every,
-                                       chunk_size=CHUNK, implementation=impl)
+    o, final, ckpt = kda_jax.chunk_kda_checkpoints(
+        *x.args(), cu_seqlens=cu, initial_state=x.initial_state, output_final_state=True,
+        checkpoint_every=every, chunk_size=CHUNK, implementation=impl)
     counts = -(-np.array(LENS) // every)
     assert ckpt.shape == (counts.sum(), HV, K, V) and ckpt.dtype == jnp.float32
     same, ref = _prefix_finals(x, cu, every, x.initial_state, impl)
@@ -111,8 +112,9 @@ def test_dense_batch_v_first_without_initial_state(impl, check_close):
     """B = 2 dense rows of T = 70 (C = 2 x 3 at n = 32), V-first states, no
     initial state (the first checkpoints are zeros), no final state."""
     x = testing.make_inputs(2, B=2, T=70, H=H, HV=HV, K=K, V=V, with_state=False)
-    o, final, ckpt = kda_jax.chunk_kda(*x.args(), state_v_first=True, checkpoint_every=CHUNK,
-                                       chunk_size=CHUNK, implementation=impl)
+    o, final, ckpt = kda_jax.chunk_kda_checkpoints(*x.args(), state_v_first=True,
+                                                   checkpoint_every=CHUNK, chunk_size=CHUNK,
+                                                   implementation=impl)
     assert final is None and ckpt.shape == (6, HV, V, K)
     flat = testing.KdaInputs(*(a.reshape((1, -1) + a.shape[2:]) for a in x.args()), None)
     zeros = np.zeros((2, HV, V, K), np.float32)
@@ -131,9 +133,10 @@ def test_triton_state_in_k_halves(check_close):
     assert split_state_k(jnp.float32, 100)
     cu = np.array([0, 70, 103])
     x = testing.make_inputs(10, T=103, H=H, HV=1, K=100, V=V, N=2)
-    _, _, ckpt = kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, initial_state=x.initial_state,
-                                   checkpoint_every=CHUNK, chunk_size=CHUNK,
-                                   implementation="triton")
+    _, _, ckpt = kda_jax.chunk_kda_checkpoints(*x.args(), cu_seqlens=cu,
+                                               initial_state=x.initial_state,
+                                               checkpoint_every=CHUNK, chunk_size=CHUNK,
+                                               implementation="triton")
     same, ref = _prefix_finals(x, cu, CHUNK, x.initial_state, "triton")
     _assert_same_path(ckpt, same, "triton")
     check_close(ckpt, ref, "float32", "checkpoints")
@@ -143,8 +146,9 @@ def test_xla_checkpoints_bitwise_with_the_same_lanes():
     """One sequence in one lane, as its prefixes: the XLA path's checkpoints
     are the prefix calls' final states bit for bit."""
     x, cu = _inputs(3, [100])
-    _, _, ckpt = kda_jax.chunk_kda(*x.args(), initial_state=x.initial_state,
-                                   checkpoint_every=CHUNK, chunk_size=CHUNK, implementation="xla")
+    _, _, ckpt = kda_jax.chunk_kda_checkpoints(*x.args(), initial_state=x.initial_state,
+                                               checkpoint_every=CHUNK, chunk_size=CHUNK,
+                                               implementation="xla")
     for j in range(1, 4):
         part = [a[:, :j * CHUNK] for a in x.args()]
         _, final = kda_jax.chunk_kda(*part, initial_state=x.initial_state,
@@ -160,8 +164,10 @@ def test_poisoned_sequence_checkpoints_match_prefix_runs(impl):
     finite checkpoints."""
     x, cu = _inputs(4, [100, 70])
     x.v[0, 40, 1, 3] = np.nan
-    _, _, ckpt = kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, initial_state=x.initial_state,
-                                   checkpoint_every=CHUNK, chunk_size=CHUNK, implementation=impl)
+    _, _, ckpt = kda_jax.chunk_kda_checkpoints(*x.args(), cu_seqlens=cu,
+                                               initial_state=x.initial_state,
+                                               checkpoint_every=CHUNK, chunk_size=CHUNK,
+                                               implementation=impl)
     same, _ = _prefix_finals(x, cu, CHUNK, x.initial_state, impl)
     ckpt = np.asarray(ckpt)
     np.testing.assert_array_equal(np.isnan(ckpt), np.isnan(same))
@@ -195,15 +201,15 @@ def test_pool_form_writes_checkpoint_rows(impl, dtype, check_close):
     states still go to their rows; every other row comes back bit-identical."""
     x, cu = _inputs(5, LENS, with_state=False)
     pool = _pool(6, dtype)
-    o, new = kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, state_cache=jnp.asarray(pool),
-                               state_indices=IDX, checkpoint_every=64,
-                               checkpoint_indices=CKPT_IDX, chunk_size=CHUNK,
-                               implementation=impl)
+    o, new = kda_jax.chunk_kda_pool(*x.args(), jnp.asarray(pool),
+                                    kda_jax.PoolRows(IDX, checkpoint_indices=CKPT_IDX),
+                                    cu_seqlens=cu, checkpoint_every=64, chunk_size=CHUNK,
+                                    implementation=impl)
     assert new.dtype == jnp.dtype(dtype) and new.shape == pool.shape
     h0 = np.asarray(pool[IDX], np.float32)
-    o2, final, ckpt = kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, initial_state=h0,
-                                        output_final_state=True, checkpoint_every=64,
-                                        chunk_size=CHUNK, implementation=impl)
+    o2, final, ckpt = kda_jax.chunk_kda_checkpoints(*x.args(), cu_seqlens=cu, initial_state=h0,
+                                                    output_final_state=True, checkpoint_every=64,
+                                                    chunk_size=CHUNK, implementation=impl)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
     rounded = lambda a: np.asarray(jnp.asarray(a, dtype))
     new = np.asarray(new)
@@ -234,10 +240,10 @@ def test_bucketed_pool_form_in_jit(impl):
 
     @jax.jit
     def step(pool, idx, ckpt_idx, batch, q, k, v, g, beta):
-        return kda_jax.chunk_kda(q, k, v, g, beta, cu_seqlens=batch, state_cache=pool,
-                                 state_indices=idx, checkpoint_every=64,
-                                 checkpoint_indices=ckpt_idx, chunk_size=CHUNK,
-                                 implementation=impl)
+        return kda_jax.chunk_kda_pool(q, k, v, g, beta, pool,
+                                      kda_jax.PoolRows(idx, checkpoint_indices=ckpt_idx),
+                                      cu_seqlens=batch, checkpoint_every=64, chunk_size=CHUNK,
+                                      implementation=impl)
 
     expected = {}
     for shift, lens in ((0, LENS), (1, LENS[::-1])):
@@ -249,10 +255,10 @@ def test_bucketed_pool_form_in_jit(impl):
                       batch, *args)
         for r in np.r_[pad_idx, pad_ckpt.ravel()]:
             np.testing.assert_array_equal(np.asarray(new[r]), np.asarray(pool[r]))
-        _, host = kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, state_cache=pool,
-                                    state_indices=IDX, checkpoint_every=64,
-                                    checkpoint_indices=ckpt_idx, chunk_size=CHUNK,
-                                    implementation=impl)
+        _, host = kda_jax.chunk_kda_pool(*x.args(), pool,
+                                         kda_jax.PoolRows(IDX, checkpoint_indices=ckpt_idx),
+                                         cu_seqlens=cu, checkpoint_every=64, chunk_size=CHUNK,
+                                         implementation=impl)
         # XLA: the bucketed form's one lane rounds as one lane does (see
         # _assert_same_path); Triton: the same kernels, bit for bit.
         _assert_same_path(new, host, impl)
@@ -270,13 +276,15 @@ def test_gradients(impl):
     every = CHUNK
 
     def loss(v):
-        _, _, ckpt = kda_jax.chunk_kda(x.q, x.k, v, x.g, x.beta, cu_seqlens=cu,
-                                       initial_state=x.initial_state, checkpoint_every=every,
-                                       chunk_size=CHUNK, implementation=impl)
+        _, _, ckpt = kda_jax.chunk_kda_checkpoints(x.q, x.k, v, x.g, x.beta, cu_seqlens=cu,
+                                                   initial_state=x.initial_state,
+                                                   checkpoint_every=every, chunk_size=CHUNK,
+                                                   implementation=impl)
         return jnp.sum(ckpt ** 2)
 
     if impl == "triton":
-        with pytest.raises(kda_jax.NotDifferentiableError, match="checkpoint_every=32"):
+        with pytest.raises(kda_jax.NotDifferentiableError,
+                           match="chunk_kda_checkpoints on the Triton path"):
             jax.grad(loss)(jnp.asarray(x.v))
         return
     # Checkpoints at 32: sequence 0's initial state and its state after 32
@@ -297,15 +305,16 @@ def test_gradients(impl):
 def test_no_sequence_and_all_empty():
     """B = 0: no checkpoint ([0, HV, K, V]); bounds of empty sequences only: none."""
     x = testing.make_inputs(0, B=0, T=4, H=H, HV=HV, K=K, V=V, with_state=False)
-    _, final, ckpt = kda_jax.chunk_kda(*x.args(), checkpoint_every=CHUNK, chunk_size=CHUNK,
-                                       implementation="xla")
+    _, final, ckpt = kda_jax.chunk_kda_checkpoints(*x.args(), checkpoint_every=CHUNK,
+                                                   chunk_size=CHUNK, implementation="xla")
     assert final is None and ckpt.shape == (0, HV, K, V)
     y, cu = _inputs(0, [0, 0])
     for impl in ("xla",) + (("triton",) if NO_TRITON is None else ()):
-        _, final, ckpt = kda_jax.chunk_kda(*y.args(), cu_seqlens=cu,
-                                           initial_state=y.initial_state,
-                                           output_final_state=True, checkpoint_every=CHUNK,
-                                           chunk_size=CHUNK, implementation=impl)
+        _, final, ckpt = kda_jax.chunk_kda_checkpoints(*y.args(), cu_seqlens=cu,
+                                                       initial_state=y.initial_state,
+                                                       output_final_state=True,
+                                                       checkpoint_every=CHUNK, chunk_size=CHUNK,
+                                                       implementation=impl)
         assert ckpt.shape == (0, HV, K, V)
         np.testing.assert_array_equal(np.asarray(final), y.initial_state)
 
@@ -326,60 +335,87 @@ def no_backend(monkeypatch):
         monkeypatch.setattr(api, name, ran)
 
 
-def _bad(**kw):
+def _bad(rows=None, **kw):
+    """chunk_kda_pool on CACHE when ``rows`` are given, else chunk_kda_checkpoints."""
     x, cu = _inputs(0, [40, 0, 70])
     base = dict(cu_seqlens=cu, chunk_size=CHUNK, implementation="xla")
-    return kda_jax.chunk_kda(*x.args(), **{**base, **kw})
+    if rows is None:
+        return kda_jax.chunk_kda_checkpoints(*x.args(), **{**base, **kw})
+    return kda_jax.chunk_kda_pool(*x.args(), CACHE, rows, **{**base, **kw})
 
 
-POOL = dict(state_cache=np.zeros((SLOTS, HV, K, V), np.float32),
-            state_indices=np.array([0, 1, 2], np.int32))
+CACHE = np.zeros((SLOTS, HV, K, V), np.float32)
 ROWS = np.array([[3, 4, 5], [-1, -1, -1], [6, 7, 8]], np.int32)
+
+
+def _rows(checkpoint_indices=None, indices=(0, 1, 2), **kw):
+    """PoolRows of _bad's three sequences (rows 0, 1, 2 unless ``indices``)."""
+    return kda_jax.PoolRows(np.array(indices, np.int32), checkpoint_indices=checkpoint_indices,
+                            **kw)
 
 
 @pytest.mark.parametrize("kw,error,match", [
     (dict(checkpoint_every=48), ValueError,
      r"checkpoint_every=48 must be a positive multiple of chunk_size=32 .* pass "
      r"checkpoint_every=32 or 64"),
+    (dict(checkpoint_every=48, rows=_rows(ROWS)), ValueError,
+     r"checkpoint_every=48 must be a positive multiple of chunk_size=32"),
     (dict(checkpoint_every=-64), ValueError,
      r"checkpoint_every=-64 must be a positive multiple of chunk_size=32"),
     (dict(checkpoint_every=0), ValueError, r"checkpoint_every=0 must be a positive multiple"),
     (dict(checkpoint_every=64.0), TypeError, r"checkpoint_every must be a Python int.* got 64.0"),
     (dict(checkpoint_every=True), TypeError, r"checkpoint_every must be a Python int.* got True"),
     (dict(checkpoint_every=np.array(64)), TypeError, r"checkpoint_every must be a Python int"),
-    (dict(checkpoint_indices=ROWS), ValueError,
-     r"checkpoint_indices was passed without checkpoint_every"),
-    (dict(checkpoint_every=64, checkpoint_indices=ROWS), ValueError,
-     r"checkpoint_indices is only used with state_cache"),
-    (dict(checkpoint_every=64, **POOL), ValueError,
-     r"checkpoint_every=64 with state_cache writes the checkpoints into pool rows: pass "
-     r"checkpoint_indices"),
-    (dict(checkpoint_every=64, checkpoint_indices=ROWS[:2], **POOL), ValueError,
-     r"checkpoint_indices must have shape \(3, J\) .* J >= 2 columns .* got \(2, 3\)"),
-    (dict(checkpoint_every=32, checkpoint_indices=ROWS[:, :2], **POOL), ValueError,
+    (dict(checkpoint_every=None), TypeError,
+     r"chunk_kda_checkpoints needs checkpoint_every.* call kda_jax.chunk_kda"),
+    (dict(rows=_rows(ROWS)), ValueError,
+     r"rows\.checkpoint_indices was passed without checkpoint_every"),
+    (dict(checkpoint_every=64, rows=_rows()), ValueError,
+     r"checkpoint_every=64 with a pool writes the checkpoints into pool rows: pass "
+     r"rows\.checkpoint_indices"),
+    (dict(checkpoint_every=64, rows=_rows(ROWS[:2])), ValueError,
+     r"rows\.checkpoint_indices must have shape \(3, J\) .* J >= 2 columns .* got \(2, 3\)"),
+    (dict(checkpoint_every=32, rows=_rows(ROWS[:, :2])), ValueError,
      r"J >= 3 columns \(the most intervals of checkpoint_every=32 tokens .* got \(3, 2\)"),
-    (dict(checkpoint_every=64, checkpoint_indices=ROWS[:, :1], **POOL), ValueError,
+    (dict(checkpoint_every=64, rows=_rows(ROWS[:, :1])), ValueError,
      r"J >= 2 columns .* got \(3, 1\)"),
-    (dict(checkpoint_every=64, checkpoint_indices=ROWS.astype(np.float32), **POOL), TypeError,
-     r"checkpoint_indices must be an int32 array \[N, J\], got dtype float32"),
-    (dict(checkpoint_every=64, checkpoint_indices=[[3, 4]] * 3, **POOL), TypeError,
-     r"checkpoint_indices must be an int32 array \[N, J\] \(NumPy or jax\), got list"),
-    (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 7, SLOTS, ROWS), **POOL),
-     ValueError, r"checkpoint_indices\[2, 1\]=24 is >= slots=24"),
-    (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 7, 3, ROWS), **POOL),
-     ValueError, r"checkpoint_indices names row 3 more than once \(at \[0, 0\], \[2, 1\]\)"),
-    (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 6, 2, ROWS), **POOL),
-     ValueError, r"checkpoint_indices\[2, 0\]=2 is also the row sequence 2's final state"),
+    (dict(checkpoint_every=64, rows=_rows(ROWS.astype(np.float32))), TypeError,
+     r"rows\.checkpoint_indices must be an int32 array \[N, J\], got dtype float32"),
+    (dict(checkpoint_every=64, rows=_rows([[3, 4]] * 3)), TypeError,
+     r"rows\.checkpoint_indices must be an int32 array \[N, J\] \(NumPy or jax\), got list"),
+    (dict(checkpoint_every=64, rows=_rows(np.where(ROWS == 7, SLOTS, ROWS))),
+     ValueError, r"rows\.checkpoint_indices\[2, 1\]=24 is >= slots=24"),
+    (dict(checkpoint_every=64, rows=_rows(np.where(ROWS == 7, 3, ROWS))),
+     ValueError,
+     r"rows\.checkpoint_indices names row 3 more than once \(at \[0, 0\], \[2, 1\]\)"),
+    (dict(checkpoint_every=64, rows=_rows(np.where(ROWS == 6, 2, ROWS))),
+     ValueError, r"rows\.checkpoint_indices\[2, 0\]=2 is also the row sequence 2's final state"),
     # A checkpoint row another sequence reads in the same call (its own read row is fine).
-    (dict(checkpoint_every=64, checkpoint_indices=np.where(ROWS == 6, 9, ROWS),
-          state_cache=POOL["state_cache"], read_indices=np.array([9, 10, 11], np.int32),
-          write_indices=np.array([0, 1, 2], np.int32)),
-     ValueError, r"read_indices\[0\]=9 is the row sequence 2 writes in the same call "
-                 r"\(checkpoint_indices\[2, 0\]=9\)"),
+    (dict(checkpoint_every=64, rows=_rows(np.where(ROWS == 6, 9, ROWS), indices=[9, 10, 11],
+                                          write_indices=np.array([0, 1, 2], np.int32))),
+     ValueError, r"rows\.ssm_state_indices\[0\]=9 is the row sequence 2 writes in the same "
+                 r"call \(rows\.checkpoint_indices\[2, 0\]=9\)"),
 ])
 def test_argument_errors(no_backend, kw, error, match):
     with pytest.raises(error, match=match):
         _bad(**kw)
+
+
+@pytest.mark.parametrize("fn,kw,refused", [
+    # The old chunk_kda(..., checkpoint_every=n) returned three outputs: it now
+    # raises rather than quietly returning two.
+    ("chunk_kda", dict(checkpoint_every=64), "checkpoint_every"),
+    ("chunk_kda", dict(checkpoint_indices=ROWS), "checkpoint_indices"),
+    # Checkpoint rows belong to the pool form (rows.checkpoint_indices).
+    ("chunk_kda_checkpoints", dict(checkpoint_every=64, checkpoint_indices=ROWS),
+     "checkpoint_indices"),
+    # Checkpoints are not taken with context parallelism.
+    ("chunk_kda_checkpoints", dict(checkpoint_every=64, context_axis="cp"), "context_axis"),
+])
+def test_old_checkpoint_keywords_are_refused(no_backend, fn, kw, refused):
+    x, cu = _inputs(0, [40, 0, 70])
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{refused}'"):
+        getattr(kda_jax, fn)(*x.args(), cu_seqlens=cu, chunk_size=CHUNK, **kw)
 
 
 def test_argument_errors_name_the_fixes(no_backend):
@@ -388,22 +424,21 @@ def test_argument_errors_name_the_fixes(no_backend):
     ok = np.where(ROWS == 5, SLOTS + 5, ROWS)
     ok[1] = [0, 0, 99]
     with pytest.raises(AssertionError, match="the backend ran"):
-        _bad(checkpoint_every=64, checkpoint_indices=ok, **POOL)
+        _bad(checkpoint_every=64, rows=_rows(ok))
     x, cu = _inputs(0, [40, 70])
     batch = kda_jax.VarlenBatch.build(cu, kda_jax.Bucket(4, 128, CHUNK))
     args = [batch.pad_tokens(a) for a in x.args()]
     with pytest.raises(ValueError, match=r"with a VarlenBatch as cu_seqlens needs the pool form"):
-        kda_jax.chunk_kda(*args, cu_seqlens=batch, checkpoint_every=64, chunk_size=CHUNK)
+        kda_jax.chunk_kda_checkpoints(*args, cu_seqlens=batch, checkpoint_every=64,
+                                      chunk_size=CHUNK)
     # A NumPy batch's real bounds are known: J is checked against them.
     with pytest.raises(ValueError, match=r"must have shape \(4, J\) .* J >= 3 .* got \(4, 2\)"):
-        kda_jax.chunk_kda(*args, cu_seqlens=batch, checkpoint_every=32, chunk_size=CHUNK,
-                          state_cache=POOL["state_cache"],
-                          state_indices=np.array([0, 1, -1, -1], np.int32),
-                          checkpoint_indices=np.full((4, 2), -1, np.int32))
-    mesh = jax.make_mesh((1,), ("cp",))
-    with pytest.raises(ValueError, match=r"checkpoint_every=64 is not supported with "
-                                         r"context_axis='cp'"):
-        jax.shard_map(lambda *a: kda_jax.chunk_kda(*a, cu_seqlens=cu, checkpoint_every=64,
-                                                   context_axis="cp", chunk_size=CHUNK)[0],
-                      mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
-                      out_specs=jax.sharding.PartitionSpec())(*x.args())
+        kda_jax.chunk_kda_pool(*args, CACHE,
+                               _rows(np.full((4, 2), -1, np.int32), indices=[0, 1, -1, -1]),
+                               cu_seqlens=batch, checkpoint_every=32, chunk_size=CHUNK)
+    # The token-by-token pool form takes no checkpoints.
+    with pytest.raises(ValueError, match=r"rows\.checkpoint_indices with fused_recurrent_kda_pool"):
+        kda_jax.fused_recurrent_kda_pool(*args, CACHE,
+                                         _rows(np.full((4, 2), -1, np.int32),
+                                               indices=[0, 1, -1, -1]),
+                                         cu_seqlens=batch, implementation="xla")

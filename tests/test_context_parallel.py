@@ -219,11 +219,6 @@ def test_errors(mesh):
         jax.jit(jax.shard_map(
             lambda *a: kda_jax.chunk_kda(*a, context_axis="cp", implementation="xla")[0],
             mesh=mesh, in_specs=(P(),) * 5, out_specs=P()))(*(jnp.asarray(a) for a in args))
-    pool = jnp.zeros((2, 1, 16, 16), jnp.float32)
-    with pytest.raises(ValueError, match="state_cache"):
-        inside(lambda *a: kda_jax.chunk_kda(
-            *a, cu_seqlens=[0, 96], state_cache=pool, state_indices=np.array([0], np.int32),
-            context_axis="cp", implementation="xla")[0])
     wide = make_inputs(4, B=1, T=8, H=1, K=144, V=128, N=1, with_state=False)
     if unavailable_reason() is None:
         with pytest.raises(ValueError, match="V \\+ K"):

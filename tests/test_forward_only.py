@@ -50,14 +50,13 @@ def _forms():
                                                   implementation="triton")[0],
             x.q, r"fused_recurrent_kda on the Triton path"),
         "recurrent-pool": (
-            lambda q: kda_jax.fused_recurrent_kda(q, *rest, cu_seqlens=cu, state_cache=_pool(),
-                                                  state_indices=idx,
-                                                  implementation="triton")[0],
-            x.q, r"fused_recurrent_kda on the Triton path"),
+            lambda q: kda_jax.fused_recurrent_kda_pool(q, *rest, _pool(), kda_jax.PoolRows(idx),
+                                                       cu_seqlens=cu, implementation="triton")[0],
+            x.q, r"fused_recurrent_kda_pool on the Triton path"),
         "chunk-pool": (
-            lambda q: kda_jax.chunk_kda(q, *rest, cu_seqlens=cu, state_cache=_pool(),
-                                        state_indices=idx, implementation="triton")[0],
-            x.q, r"chunk_kda on the Triton path .* with a state_cache"),
+            lambda q: kda_jax.chunk_kda_pool(q, *rest, _pool(), kda_jax.PoolRows(idx),
+                                             cu_seqlens=cu, implementation="triton")[0],
+            x.q, r"chunk_kda_pool on the Triton path"),
         "chunk-batch": (
             lambda q: kda_jax.chunk_kda(q, *padded_rest, cu_seqlens=batch,
                                         implementation="triton")[0],

@@ -1,7 +1,7 @@
 """The bucketed serving step lowered on a CPU for ROCm (gfx950) and CUDA (sm90).
 
-A jitted step with a VarlenBatch and a donated state pool, for chunk_kda and
-fused_recurrent_kda on the Triton path, lowered with test_lowering's stand-in
+A jitted step with a VarlenBatch and a donated state pool, for chunk_kda_pool
+and fused_recurrent_kda_pool on the Triton path, lowered with test_lowering's stand-in
 launcher (jax-triton compiles the kernels for the real target; see there).
 Checked: the grids come from the bucket (a tail program past the sequence
 slots), no int32 constant carries bounds (the metadata is an argument), two
@@ -56,7 +56,7 @@ def _child(archs) -> dict:
               spec(1, t, HV, K, dtype=jnp.float32), spec(1, t, HV, dtype=jnp.float32))
     pool = spec(SLOTS, HV, K, V, dtype=jnp.float32)
     idx = spec(BUCKET.max_seqs, dtype=jnp.int32)
-    fns = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
+    fns = {"chunk": kda_jax.chunk_kda_pool, "recurrent": kda_jax.fused_recurrent_kda_pool}
     out = {}
     for arch in archs:
         for name, fn in fns.items():
@@ -65,8 +65,8 @@ def _child(archs) -> dict:
                 batch = kda_jax.VarlenBatch.from_lengths(lens, BUCKET)
 
                 def step(pool, idx, q, k, v, g, beta, batch, fn=fn):
-                    return fn(q, k, v, g, beta, cu_seqlens=batch, state_cache=pool,
-                              state_indices=idx, implementation="triton")
+                    return fn(q, k, v, g, beta, pool, kda_jax.PoolRows(idx), cu_seqlens=batch,
+                              implementation="triton")
 
                 with configs.target_arch(arch):
                     lowered = jax.jit(step, donate_argnums=0).trace(

@@ -1,4 +1,4 @@
-"""How the pool's state_indices are read: on the host (NumPy) only the real
+"""How the pool rows' ssm_state_indices are read: on the host (NumPy) only the real
 sequences' entries are checked and padded bucket slots are ignored; indices
 wider than int32 (int64 under jax_enable_x64) are saturated before they are
 narrowed, so an out-of-range index is padding and never wraps onto a row.
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import kda_jax
-from kda_jax import Bucket, VarlenBatch, reference, testing
+from kda_jax import Bucket, PoolRows, VarlenBatch, reference, testing
 from kda_jax.pool import narrow_indices
 from kda_jax.triton import unavailable_reason
 
 NO_TRITON = unavailable_reason()
-FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
+FNS = {"chunk": kda_jax.chunk_kda_pool, "recurrent": kda_jax.fused_recurrent_kda_pool}
 COMBOS = [pytest.param("chunk", "xla", id="chunk-xla"),
           pytest.param("recurrent", "xla", id="recurrent-xla"),
           pytest.param("recurrent", "triton", id="recurrent-triton", marks=pytest.mark.skipif(
@@ -80,22 +80,36 @@ def test_padded_bucket_slots_indices_are_ignored_on_the_host(fn, impl, check_clo
     assert isinstance(batch.metadata, np.ndarray)
     pool = _pool()
     idx = np.array([2, 0, 0, BIG], np.int64)
-    o, new = FNS[fn](*_padded(x, batch), cu_seqlens=batch, state_cache=pool, state_indices=idx,
+    o, new = FNS[fn](*_padded(x, batch), pool, PoolRows(idx), cu_seqlens=batch,
                      implementation=impl)
     _check(o, new, x, cu, pool, [2, 0], check_close)
 
 
 @pytest.mark.parametrize("idx,match", [
-    ([0, 4, -1, -1], r"state_indices\[1\]=4 is >= slots=4"),
-    ([0, BIG, -1, -1], rf"state_indices\[1\]={BIG} is >= slots=4"),
-    ([3, 3, -1, -1], r"state_indices names row 3 more than once \(at \[0\], \[1\]\)"),
+    ([0, 4, -1, -1], r"rows\.ssm_state_indices\[1\]=4 is >= slots=4"),
+    ([0, BIG, -1, -1], rf"rows\.ssm_state_indices\[1\]={BIG} is >= slots=4"),
+    ([3, 3, -1, -1],
+     r"rows\.ssm_state_indices names row 3 more than once \(at \[0\], \[1\]\)"),
 ])
 def test_real_slots_are_still_checked_on_the_host(idx, match):
     x, cu = _inputs()
     batch = VarlenBatch.build(cu, BUCKET)
     with pytest.raises(ValueError, match=match):
-        kda_jax.fused_recurrent_kda(*_padded(x, batch), cu_seqlens=batch, state_cache=_pool(),
-                                    state_indices=np.array(idx, np.int64), implementation="xla")
+        kda_jax.fused_recurrent_kda_pool(*_padded(x, batch), _pool(),
+                                         PoolRows(np.array(idx, np.int64)), cu_seqlens=batch,
+                                         implementation="xla")
+
+
+@pytest.mark.parametrize("fn", list(FNS))
+@pytest.mark.parametrize("rows", [np.array([2, 0], np.int32), (np.array([2, 0], np.int32),)],
+                         ids=["array", "tuple"])
+def test_rows_must_be_pool_rows(fn, rows):
+    """The indices themselves, or a plain tuple in PoolRows' order, are refused
+    with the fix: which rows a sequence reads and writes is named by field."""
+    x, cu = _inputs()
+    with pytest.raises(TypeError, match=r"rows must be a kda_jax\.PoolRows .* got "
+                                        rf"{type(rows).__name__}"):
+        FNS[fn](*x.args(), _pool(), rows, cu_seqlens=cu, implementation="xla")
 
 
 def test_a_device_batch_leaves_numpy_indices_unchecked(check_close):
@@ -106,8 +120,8 @@ def test_a_device_batch_leaves_numpy_indices_unchecked(check_close):
     batch = jax.device_put(VarlenBatch.build(cu, BUCKET))
     pool = _pool()
     idx = np.array([2, 9, 0, BIG], np.int64)
-    o, new = kda_jax.chunk_kda(*_padded(x, batch), cu_seqlens=batch, state_cache=pool,
-                               state_indices=idx, implementation="xla")
+    o, new = kda_jax.chunk_kda_pool(*_padded(x, batch), pool, PoolRows(idx), cu_seqlens=batch,
+                                    implementation="xla")
     _check(o, new, x, cu, pool, [2, -1], check_close)
 
 
@@ -121,9 +135,9 @@ def test_int64_device_indices_out_of_range_are_padding(wide, fn, impl, check_clo
     with jax.enable_x64(True):
         idx = jnp.asarray([wide, 0], jnp.int64)
         assert idx.dtype == jnp.int64
-        step = jax.jit(lambda pool, idx: FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool,
-                                                 state_indices=idx, implementation=impl))
-        o, new = step(pool, idx)
+        step = jax.jit(lambda pool, rows: FNS[fn](*x.args(), pool, rows, cu_seqlens=cu,
+                                                  implementation=impl))
+        o, new = step(pool, PoolRows(idx))
         o, new = np.asarray(o), np.asarray(new)
     _check(o, new, x, cu, pool, [-1, 0], check_close)
 

@@ -142,8 +142,9 @@ def test_serving_step_over_heads(mesh, check_close):
     idx = np.array([2, 0], np.int32)
 
     def step(q, k, v, g, beta, cache, indices):
-        return kda_jax.fused_recurrent_kda(q, k, v, g, beta, cu_seqlens=batch, state_cache=cache,
-                                           state_indices=indices, implementation="triton")
+        return kda_jax.fused_recurrent_kda_pool(q, k, v, g, beta, cache,
+                                                kda_jax.PoolRows(indices), cu_seqlens=batch,
+                                                implementation="triton")
 
     heads = P(None, None, "h")
     sharded = jax.shard_map(step, mesh=mesh, in_specs=(heads,) * 5 + (P(None, "h"), P()),

@@ -168,7 +168,7 @@ def test_fused_recurrent_heads():
 
 
 def test_state_pool_heads():
-    """chunk_kda with a state pool, its rows [slots, HV, K, V] sharded with
+    """chunk_kda_pool, its pool's rows [slots, HV, K, V] sharded with
     the heads: the kernels read and write each device's rows in place."""
     q, k, v, g, beta, h0, _, _ = _inputs(False)
     slots = 6
@@ -177,8 +177,8 @@ def test_state_pool_heads():
     cache[idx] = np.asarray(h0)
 
     def fn(q, k, v, g, beta, cache):
-        return kda_jax.chunk_kda(q, k, v, g, beta, state_cache=cache, state_indices=idx,
-                                 chunk_size=32, implementation="triton")
+        return kda_jax.chunk_kda_pool(q, k, v, g, beta, cache, kda_jax.PoolRows(idx),
+                                      chunk_size=32, implementation="triton")
 
     mesh = _mesh()
     specs = _specs(None, "model")[:5] + (P(None, "model"),)

@@ -1,6 +1,8 @@
-"""The paged state pool (state_cache, state_indices, has_initial_state) of
-chunk_kda and fused_recurrent_kda, on both implementations, against the float32
-reference and against the same call with initial_state / output_final_state.
+"""The paged state pool (state_cache and kda_jax.PoolRows: ssm_state_indices,
+write_indices, has_initial_state) of chunk_kda_pool and
+fused_recurrent_kda_pool, on both implementations, against the float32
+reference and against chunk_kda / fused_recurrent_kda with initial_state /
+output_final_state.
 
 Pool rows are compared bit for bit where the contract says "untouched".
 Without a GPU the Triton cases run in Triton's interpreter (small shapes).
@@ -20,6 +22,8 @@ from conftest import pool_dtype_checks
 
 NO_TRITON = unavailable_reason()
 FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
+POOL_FNS = {"chunk": kda_jax.chunk_kda_pool, "recurrent": kda_jax.fused_recurrent_kda_pool}
+PoolRows = kda_jax.PoolRows
 COMBOS = [
     pytest.param(fn, impl, id=f"{fn}-{impl}",
                  marks=[pytest.mark.skipif(impl == "triton" and NO_TRITON is not None,
@@ -65,8 +69,7 @@ def test_round_trip_equals_initial_and_final_state(fn, impl, check_close):
     lens, idx = [5, 0, 1, 9], np.array([4, 0, 2, 5], np.int32)
     x, cu = _inputs(1, lens, with_state=False)
     pool = _pool(2)
-    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool, state_indices=idx,
-                     implementation=impl)
+    o, new = POOL_FNS[fn](*x.args(), pool, PoolRows(idx), cu_seqlens=cu, implementation=impl)
     assert new.shape == pool.shape and new.dtype == jnp.float32
     h0 = _expected_h0(pool, idx)
     # The same implementation with initial_state / output_final_state.
@@ -84,7 +87,7 @@ def test_round_trip_equals_initial_and_final_state(fn, impl, check_close):
 
 @pytest.mark.parametrize("fn,impl", COMBOS)
 def test_read_and_write_slots(fn, impl, check_close):
-    """read_indices / write_indices in place of state_indices: two sequences
+    """PoolRows with write_indices (ssm_state_indices the rows read): two sequences
     start from one cached row (read, not written: it comes back bit-identical),
     one reads and writes the same row, one reads nothing (-1: zeros), one
     writes nothing; finals against the reference from the rows read."""
@@ -93,8 +96,8 @@ def test_read_and_write_slots(fn, impl, check_close):
     write = np.array([0, 5, 3, 4, -1], np.int32)
     x, cu = _inputs(21, lens, with_state=False)
     pool = _pool(22)
-    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool, read_indices=read,
-                     write_indices=jnp.asarray(write), implementation=impl)
+    o, new = POOL_FNS[fn](*x.args(), pool, PoolRows(read, write_indices=jnp.asarray(write)),
+                          cu_seqlens=cu, implementation=impl)
     h0 = _expected_h0(pool, read)
     ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, initial_state=h0,
                                            output_final_state=True)
@@ -121,8 +124,8 @@ def test_device_indices_sharing_a_row_within_a_call(fn, impl):
     pool = _pool(32)
     read = jnp.asarray(np.array([0, 0], np.int32))
     write = jnp.asarray(np.array([0, 3], np.int32))
-    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool, read_indices=read,
-                     write_indices=write, implementation=impl)
+    o, new = POOL_FNS[fn](*x.args(), pool, PoolRows(read, write_indices=write),
+                          cu_seqlens=cu, implementation=impl)
     o, new = np.asarray(o), np.asarray(new)
     old = np.stack([pool[0], pool[0]])
     ro, rs = reference.naive_recurrent_kda(*x.args(), cu_seqlens=cu, initial_state=old,
@@ -151,29 +154,25 @@ def test_device_indices_sharing_a_row_within_a_call(fn, impl):
 def test_read_and_write_slot_errors(fn):
     x, _ = _inputs(0, B=3, T=2, with_state=False)
     pool = _pool(1)
-    call = lambda **kw: FNS[fn](*x.args(), state_cache=pool, implementation="xla", **kw)
+    call = lambda read, write: POOL_FNS[fn](*x.args(), pool, PoolRows(read, write_indices=write),
+                                            implementation="xla")
     idx = np.array([0, 1, 2], np.int32)
-    with pytest.raises(ValueError, match="read_indices needs write_indices"):
-        call(read_indices=idx)
-    with pytest.raises(ValueError, match="write_indices needs read_indices"):
-        call(write_indices=idx)
-    with pytest.raises(ValueError, match="state_indices and read_indices / write_indices"):
-        call(state_indices=idx, read_indices=idx, write_indices=idx)
-    with pytest.raises(ValueError, match=r"write_indices names row 1 more than once"):
-        call(read_indices=idx, write_indices=np.array([1, -1, 1], np.int32))
-    with pytest.raises(ValueError, match=r"read_indices\[2\]=6 is >= slots=6"):
-        call(read_indices=np.array([0, 1, 6], np.int32), write_indices=idx)
-    with pytest.raises(ValueError, match="read_indices is only used with state_cache"):
-        FNS[fn](*x.args(), read_indices=idx, implementation="xla")
+    with pytest.raises(ValueError, match=r"rows\.write_indices names row 1 more than once"):
+        call(idx, np.array([1, -1, 1], np.int32))
+    with pytest.raises(ValueError, match=r"rows\.ssm_state_indices\[2\]=6 is >= slots=6"):
+        call(np.array([0, 1, 6], np.int32), idx)
+    with pytest.raises(ValueError, match=r"rows\.write_indices\[1\]=6 is >= slots=6"):
+        call(idx, np.array([-1, 6, 3], np.int32))
     # A row one sequence writes is its own in the call: another reading it is refused
     # (on a GPU it would see the old or the new state), naming both.
-    with pytest.raises(ValueError, match=r"read_indices\[0\]=1 is the row sequence 1 writes in "
-                                         r"the same call \(write_indices\[1\]=1\)"):
-        call(read_indices=np.array([1, 1, 1], np.int32), write_indices=idx)
-    with pytest.raises(ValueError, match=r"read_indices\[1\]=0 is the row sequence 0 writes"):
-        call(read_indices=np.array([3, 0, 2], np.int32), write_indices=idx)  # a chain 0 -> 1
-    o, new = call(read_indices=np.array([1, 1, 1], np.int32),
-                  write_indices=np.array([3, 4, 5], np.int32))
+    with pytest.raises(ValueError, match=r"rows\.ssm_state_indices\[0\]=1 is the row sequence 1 "
+                                         r"writes in the same call "
+                                         r"\(rows\.write_indices\[1\]=1\)"):
+        call(np.array([1, 1, 1], np.int32), idx)
+    with pytest.raises(ValueError,
+                       match=r"rows\.ssm_state_indices\[1\]=0 is the row sequence 0 writes"):
+        call(np.array([3, 0, 2], np.int32), idx)  # a chain 0 -> 1
+    o, new = call(np.array([1, 1, 1], np.int32), np.array([3, 4, 5], np.int32))
     assert new.shape == pool.shape  # a row read by every sequence and written by none is fine
 
 
@@ -194,10 +193,10 @@ def test_16_bit_pool_rounds_once_on_write_back(fn, impl, dtype, v_first, check_c
     wide = np.array(jnp.asarray(_pool(12, v_first), dtype).astype(jnp.float32))
     wide[2] = np.nan  # has_initial_state False: never read
     narrow = jnp.asarray(wide, dtype)
-    kw = dict(cu_seqlens=cu, state_indices=idx, has_initial_state=has, state_v_first=v_first,
-              implementation=impl)
-    o, new = FNS[fn](*x.args(), state_cache=narrow, **kw)
-    o32, new32 = FNS[fn](*x.args(), state_cache=wide, **kw)
+    rows = PoolRows(idx, has_initial_state=has)
+    kw = dict(cu_seqlens=cu, state_v_first=v_first, implementation=impl)
+    o, new = POOL_FNS[fn](*x.args(), narrow, rows, **kw)
+    o32, new32 = POOL_FNS[fn](*x.args(), wide, rows, **kw)
     assert new.dtype == jnp.dtype(dtype) and new.shape == wide.shape
     same, same_rows = pool_dtype_checks(impl, dtype)
     same(np.asarray(o), np.asarray(o32))
@@ -224,8 +223,8 @@ def test_padding_slots_and_has_initial_state(fn, impl, check_close):
     pool[5] = np.nan  # unnamed: must come back as it was, NaN included
     idx = jnp.asarray([-1, 3, 1, -7, 9], jnp.int32)  # device indices: not checked on the host
     has = np.array([True, False, True, True, True])
-    o, new = FNS[fn](*x.args(), state_cache=pool, state_indices=idx, has_initial_state=has,
-                     implementation=impl)
+    o, new = POOL_FNS[fn](*x.args(), pool, PoolRows(idx, has_initial_state=has),
+                          implementation=impl)
     h0 = _expected_h0(pool, idx, has)
     assert np.all(np.isfinite(h0))
     ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=h0, output_final_state=True)
@@ -240,8 +239,8 @@ def test_v_first_pool(fn, impl, check_close):
     x, _ = _inputs(5, B=2, T=7, with_state=False)
     pool = _pool(6, v_first=True)
     idx = np.array([5, 1])
-    o, new = FNS[fn](*x.args(), state_cache=pool, state_indices=idx, state_v_first=True,
-                     implementation=impl)
+    o, new = POOL_FNS[fn](*x.args(), pool, PoolRows(idx), state_v_first=True,
+                          implementation=impl)
     h0 = _expected_h0(pool, idx)
     ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=h0, output_final_state=True,
                                            state_v_first=True)
@@ -258,15 +257,15 @@ def test_mixed_batch_equals_separate_calls(fn, impl, check_close):
     has = np.array([True, True, False, True, False])
     x, cu = _inputs(7, lens, with_state=False)
     pool = _pool(8)
-    call = FNS[fn]
-    o, new = call(*x.args(), cu_seqlens=cu, state_cache=pool, state_indices=idx,
-                  has_initial_state=has, implementation=impl)
+    call = POOL_FNS[fn]
+    o, new = call(*x.args(), pool, PoolRows(idx, has_initial_state=has), cu_seqlens=cu,
+                  implementation=impl)
     chained, outs = pool, []
     for i, n in enumerate(lens):
         part = [a[:, cu[i]:cu[i + 1]] for a in x.args()]
-        o_i, chained = call(*part, cu_seqlens=[0, n], state_cache=chained,
-                            state_indices=idx[i:i + 1], has_initial_state=has[i:i + 1],
-                            implementation=impl)
+        o_i, chained = call(*part, chained,
+                            PoolRows(idx[i:i + 1], has_initial_state=has[i:i + 1]),
+                            cu_seqlens=[0, n], implementation=impl)
         outs.append(np.asarray(o_i))
     check_close(o, np.concatenate(outs, axis=1), "float32", "o")
     check_close(new, chained, "float32", "final_state")
@@ -288,8 +287,7 @@ def test_decode_loop_in_jit_with_the_pool_donated(fn, impl, check_close):
 
     @jax.jit
     def _step(pool, idx, q, k, v, g, beta):
-        return FNS[fn](q, k, v, g, beta, state_cache=pool, state_indices=idx,
-                       implementation=impl)
+        return POOL_FNS[fn](q, k, v, g, beta, pool, PoolRows(idx), implementation=impl)
 
     step = jax.jit(_step, donate_argnums=0)
     # .copy(): an XLA-owned buffer (a device_put of NumPy data may share the
@@ -320,9 +318,8 @@ def test_empty_sequences_still_write_their_rows(fn, impl):
     x, cu = _inputs(11, [0, 0, 0], with_state=False)
     pool = _pool(12)
     pool[2] = np.nan
-    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool,
-                     state_indices=np.array([4, 2, -1]),
-                     has_initial_state=np.array([True, False, True]), implementation=impl)
+    rows = PoolRows(np.array([4, 2, -1]), has_initial_state=np.array([True, False, True]))
+    o, new = POOL_FNS[fn](*x.args(), pool, rows, cu_seqlens=cu, implementation=impl)
     assert o.shape == (1, 0, HV, V)
     np.testing.assert_array_equal(np.asarray(new[2]), 0.0)
     _untouched(new, pool, [0, 1, 3, 4, 5])
@@ -343,8 +340,8 @@ def test_decode_bucket_with_empty_slots_and_padding(impl, check_close):
     idx = np.array([3, 0, 5, 2, 6, -1, -1, -1], np.int32)
     kw = dict(use_gate_in_kernel=True, A_log=x.A_log, dt_bias=x.dt_bias,
               use_beta_sigmoid_in_kernel=True)
-    o, new = jax.jit(lambda pool, batch, *a: kda_jax.fused_recurrent_kda(
-        *a, cu_seqlens=batch, state_cache=pool, state_indices=idx, implementation=impl,
+    o, new = jax.jit(lambda pool, batch, *a: kda_jax.fused_recurrent_kda_pool(
+        *a, pool, PoolRows(idx), cu_seqlens=batch, implementation=impl,
         **kw))(pool, jax.device_put(batch), *x.args())
     t = sum(lens)
     args = [a[:, :t] for a in x.args()]
@@ -362,22 +359,17 @@ def test_decode_bucket_with_empty_slots_and_padding(impl, check_close):
         kda_jax.VarlenBatch.from_lengths([1, 2], bucket)
 
 
-# (id, keyword changes, error, message)
+# (id, changes to the pool form's state_cache / rows, error, message)
 x0, _ = _inputs(0, B=3, T=2, with_state=False)
 P0 = _pool(0)
-GOOD = dict(state_cache=P0, state_indices=np.array([0, 1, 2], np.int32))
+ROWS0 = PoolRows(np.array([0, 1, 2], np.int32))
+GOOD = dict(state_cache=P0, rows=ROWS0)
+_rows = ROWS0._replace
 ERROR_CASES = [
-    ("with-initial_state", dict(initial_state=np.zeros((3, HV, K, V), np.float32)), ValueError,
-     r"initial_state and state_cache were both passed.*drop initial_state"),
-    ("with-output_final_state", dict(output_final_state=True), ValueError,
-     r"output_final_state=True and state_cache were both passed.*\(o, new_state_cache\)"),
-    ("indices-without-cache", dict(state_cache=None), ValueError,
-     r"state_indices is only used with state_cache.*pass state_cache too"),
-    ("has-without-cache", dict(state_cache=None, state_indices=None,
-                               has_initial_state=np.ones(3, bool)), ValueError,
-     r"has_initial_state is only used with state_cache"),
-    ("cache-without-indices", dict(state_indices=None), ValueError,
-     r"state_cache needs state_indices: an int32 array \[N\]"),
+    ("rows-not-PoolRows", dict(rows=np.array([0, 1, 2], np.int32)), TypeError,
+     r"rows must be a kda_jax\.PoolRows .*got ndarray"),
+    ("rows-without-indices", dict(rows=PoolRows(None)), ValueError,
+     r"rows\.ssm_state_indices is None: a pool call needs the row each sequence starts from"),
     ("cache-float64", dict(state_cache=np.zeros((6, HV, K, V), np.float64)), TypeError,
      r"state_cache must be floating point \(bf16, fp16 or fp32\), got dtype float64"),
     ("cache-int", dict(state_cache=np.zeros((6, HV, K, V), np.int32)), TypeError,
@@ -388,24 +380,26 @@ ERROR_CASES = [
      r"state_cache must have shape \(slots, 2, 32, 32\) \[slots, HV, K, V\].*got \(6, 4, 32, 32\)"),
     ("cache-no-slots", dict(state_cache=np.zeros((0, HV, K, V), np.float32)), ValueError,
      r"with slots >= 1, got \(0, 2, 32, 32\)"),
-    ("indices-length", dict(state_indices=np.array([0, 1], np.int32)), ValueError,
-     r"state_indices must have shape \(3,\) \[N\].*N = B = 3, got \(2,\)"),
-    ("indices-rank3", dict(state_indices=np.zeros((3, 1, 1), np.int32)), ValueError,
-     r"state_indices must have shape \(3,\)"),
-    ("indices-float", dict(state_indices=np.array([0.0, 1.0, 2.0])), TypeError,
-     r"state_indices must be an int32 array \[N\], got dtype float64"),
-    ("indices-bool", dict(state_indices=np.array([True, False, True])), TypeError,
-     r"state_indices must be an int32 array \[N\], got dtype bool"),
-    ("indices-list", dict(state_indices=[0, 1, 2]), TypeError,
-     r"state_indices must be an int32 array \[N\] \(NumPy or jax\), got list"),
-    ("indices-past-end", dict(state_indices=np.array([0, 6, 1])), ValueError,
-     r"state_indices\[1\]=6 is >= slots=6 \(state_cache.shape\[0\]\); use a row in \[0, slots\)"),
-    ("indices-duplicate", dict(state_indices=np.array([2, -1, 2])), ValueError,
-     r"state_indices names row 2 more than once \(at \[0\], \[2\]\)"),
-    ("has-int", dict(has_initial_state=np.ones(3, np.int32)), TypeError,
-     r"has_initial_state must be a bool array \[N\], got dtype int32"),
-    ("has-length", dict(has_initial_state=np.ones(4, bool)), ValueError,
-     r"has_initial_state must have shape \(3,\) \[N\]"),
+    ("indices-length", dict(rows=_rows(ssm_state_indices=np.array([0, 1], np.int32))), ValueError,
+     r"rows\.ssm_state_indices must have shape \(3,\) \[N\].*N = B = 3, got \(2,\)"),
+    ("indices-rank3", dict(rows=_rows(ssm_state_indices=np.zeros((3, 1, 1), np.int32))),
+     ValueError, r"rows\.ssm_state_indices must have shape \(3,\)"),
+    ("indices-float", dict(rows=_rows(ssm_state_indices=np.array([0.0, 1.0, 2.0]))), TypeError,
+     r"rows\.ssm_state_indices must be an int32 array \[N\], got dtype float64"),
+    ("indices-bool", dict(rows=_rows(ssm_state_indices=np.array([True, False, True]))),
+     TypeError, r"rows\.ssm_state_indices must be an int32 array \[N\], got dtype bool"),
+    ("indices-list", dict(rows=_rows(ssm_state_indices=[0, 1, 2])), TypeError,
+     r"rows\.ssm_state_indices must be an int32 array \[N\] or \[N, 1 \+ drafts\] "
+     r"\(NumPy or jax\), got list"),
+    ("indices-past-end", dict(rows=_rows(ssm_state_indices=np.array([0, 6, 1]))), ValueError,
+     r"rows\.ssm_state_indices\[1\]=6 is >= slots=6 \(state_cache.shape\[0\]\); "
+     r"use a row in \[0, slots\)"),
+    ("indices-duplicate", dict(rows=_rows(ssm_state_indices=np.array([2, -1, 2]))), ValueError,
+     r"rows\.ssm_state_indices names row 2 more than once \(at \[0\], \[2\]\)"),
+    ("has-int", dict(rows=_rows(has_initial_state=np.ones(3, np.int32))), TypeError,
+     r"rows\.has_initial_state must be a bool array \[N\], got dtype int32"),
+    ("has-length", dict(rows=_rows(has_initial_state=np.ones(4, bool))), ValueError,
+     r"rows\.has_initial_state must have shape \(3,\) \[N\]"),
     ("v-first-cache-without-flag", dict(state_cache=np.zeros((6, HV, V + 8, K), np.float32)),
      ValueError, r"state_cache must have shape \(slots, 2, 32, 32\)"),
 ]
@@ -417,19 +411,19 @@ def test_bad_pool_arguments(fn, case):
     _, change, error, match = case
     kw = {**GOOD, **change}
     with pytest.raises(error, match=match):
-        FNS[fn](*x0.args(), implementation="xla", **kw)
+        POOL_FNS[fn](*x0.args(), kw["state_cache"], kw["rows"], implementation="xla")
 
 
 @pytest.mark.parametrize("fn", FNS)
 def test_varlen_error_names_the_sequences(fn):
     x, cu = _inputs(0, [1, 1])
     with pytest.raises(ValueError, match=r"N = the number of sequences in cu_seqlens = 2"):
-        FNS[fn](*x.args(), cu_seqlens=cu, state_cache=P0, state_indices=np.array([0, 1, 2]))
+        POOL_FNS[fn](*x.args(), P0, PoolRows(np.array([0, 1, 2])), cu_seqlens=cu)
 
 
 @pytest.mark.parametrize("fn", FNS)
 def test_repeated_padding_indices_are_fine(fn):
-    o, new = FNS[fn](*x0.args(), state_cache=P0, state_indices=np.array([-1, -1, 2]),
-                     implementation="xla")
+    o, new = POOL_FNS[fn](*x0.args(), P0, PoolRows(np.array([-1, -1, 2])),
+                          implementation="xla")
     _untouched(new, P0, [0, 1, 3, 4, 5])
     assert o.shape == (3, 2, HV, V)

@@ -111,8 +111,8 @@ def test_split_state_with_a_pool(v_first, check_close):
     pool = (0.5 * rng.standard_normal((slots, hv) + ((vd, kd) if v_first else (kd, vd)))
             ).astype(np.float32)
     idx = np.array([2, -1])
-    o, new = kda_jax.chunk_kda(*x.args(), state_cache=pool, state_indices=idx,
-                               state_v_first=v_first, implementation="triton")
+    o, new = kda_jax.chunk_kda_pool(*x.args(), pool, kda_jax.PoolRows(idx),
+                                    state_v_first=v_first, implementation="triton")
     h0 = np.zeros((2,) + pool.shape[1:], np.float32)
     h0[0] = pool[2]
     ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=h0, output_final_state=True,

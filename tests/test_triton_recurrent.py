@@ -343,8 +343,8 @@ def test_poisoned_sequence_writes_nan_to_its_pool_row(form, check_close):
     pool = (0.5 * rng.standard_normal((slots, 2, 16, 40))).astype(np.float32)
     with configs.override(configs.replace(configs.RECURRENT["default"],
                                           {"decode.dense.block_v": 8, "decode.varlen.block_v": 8})):
-        o, new = kda_jax.fused_recurrent_kda(*x.args(), state_cache=pool, state_indices=idx,
-                                             implementation="triton", **kw)
+        o, new = kda_jax.fused_recurrent_kda_pool(*x.args(), pool, kda_jax.PoolRows(idx),
+                                                  implementation="triton", **kw)
     ro, rs = reference.naive_recurrent_kda(*x.args(), initial_state=pool[idx],
                                            output_final_state=True, **kw)
     new = np.asarray(new)

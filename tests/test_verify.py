@@ -1,5 +1,6 @@
-"""Speculative verify: ``state_indices`` [N, 1 + S] with ``num_accepted_tokens``
-[N] in fused_recurrent_kda and chunk_kda, on both implementations.
+"""Speculative verify: ``PoolRows`` with ``ssm_state_indices`` [N, 1 + S] and
+``num_accepted_tokens`` [N] in fused_recurrent_kda_pool and chunk_kda_pool, on
+both implementations.
 
 A verify step must give what single-token decodes run one after another give
 (same path, float32 pool: bit for bit, but for float32 rounding where a
@@ -17,13 +18,13 @@ import numpy as np
 import pytest
 
 import kda_jax
-from kda_jax import Bucket, VarlenBatch, reference, testing
+from kda_jax import Bucket, PoolRows, VarlenBatch, reference, testing
 from kda_jax.triton import unavailable_reason
 from conftest import pool_dtype_checks
 
 NO_TRITON = unavailable_reason()
 ON_ACCELERATOR = jax.default_backend() != "cpu"
-FNS = {"chunk": kda_jax.chunk_kda, "recurrent": kda_jax.fused_recurrent_kda}
+FNS = {"chunk": kda_jax.chunk_kda_pool, "recurrent": kda_jax.fused_recurrent_kda_pool}
 IMPLS = [pytest.param("xla"),
          pytest.param("triton", marks=pytest.mark.skipif(
              NO_TRITON is not None, reason=f"Triton path unavailable: {NO_TRITON}"))]
@@ -102,7 +103,7 @@ def _reference_states(x, cu, h0):
     ("recurrent", 0, [1, 1, 1], [1, 1, 1]),          # no drafts: a plain decode step
     ("recurrent", 1, [2, 2, 2, 2], [1, 2, 2, 1]),
     ("recurrent", 3, [4, 1, 0, 3], [4, 1, 2, 3]),    # shorter and empty sequences
-    ("chunk", 3, [4, 1, 0, 3], [4, 1, 2, 3]),        # chunk_kda runs the same kernel
+    ("chunk", 3, [4, 1, 0, 3], [4, 1, 2, 3]),        # chunk_kda_pool runs the same kernel
 ], ids=["S0", "S1", "S3-varlen", "S3-varlen-chunk"])
 def test_verify_equals_sequential_decodes(fn, impl, drafts, lens, acc, check_close):
     w = drafts + 1
@@ -113,8 +114,9 @@ def test_verify_equals_sequential_decodes(fn, impl, drafts, lens, acc, check_clo
     has[-1] = False  # starts from zeros, never reads its row
     pool = _pool(drafts)
     pool[rows[-1, acc[-1] - 1]] = np.nan  # the row it does not read
-    o, new = FNS[fn](*x.args(), cu_seqlens=cu, state_cache=pool, state_indices=rows,
-                     num_accepted_tokens=acc, has_initial_state=has, implementation=impl)
+    o, new = FNS[fn](*x.args(), pool, PoolRows(rows, num_accepted_tokens=acc,
+                                               has_initial_state=has),
+                     cu_seqlens=cu, implementation=impl)
     new = np.asarray(new)
     h0 = _start_states(pool, rows, acc, has)
     so, s_after = _sequential(impl, x, cu, h0)
@@ -146,8 +148,8 @@ def test_verify_without_counts_starts_from_column_0(impl, check_close):
     lens = [3, 2]
     x, cu = _inputs(3, lens)
     rows, pool = _rows(4, 2, 3), _pool(5)
-    o, new = kda_jax.fused_recurrent_kda(*x.args(), cu_seqlens=cu, state_cache=pool,
-                                         state_indices=rows, implementation=impl)
+    o, new = kda_jax.fused_recurrent_kda_pool(*x.args(), pool, PoolRows(rows), cu_seqlens=cu,
+                                              implementation=impl)
     h0 = _start_states(pool, rows, np.ones(2, np.int32))
     ro, r_after = _reference_states(x, cu, h0)
     check_close(o, ro, "float32", "o")
@@ -164,12 +166,12 @@ def test_verify_16_bit_pool_rounds_each_written_state_once(impl, dtype, check_cl
     x, cu = _inputs(7, lens)
     rows = _rows(8, 3, 3)
     pool32 = np.asarray(jnp.asarray(_pool(9)).astype(dtype).astype(jnp.float32))
-    o16, new16 = kda_jax.fused_recurrent_kda(
-        *x.args(), cu_seqlens=cu, state_cache=jnp.asarray(pool32, dtype), state_indices=rows,
-        num_accepted_tokens=acc, implementation=impl)
-    o32, new32 = kda_jax.fused_recurrent_kda(
-        *x.args(), cu_seqlens=cu, state_cache=pool32, state_indices=rows,
-        num_accepted_tokens=acc, implementation=impl)
+    o16, new16 = kda_jax.fused_recurrent_kda_pool(
+        *x.args(), jnp.asarray(pool32, dtype), PoolRows(rows, num_accepted_tokens=acc),
+        cu_seqlens=cu, implementation=impl)
+    o32, new32 = kda_jax.fused_recurrent_kda_pool(
+        *x.args(), pool32, PoolRows(rows, num_accepted_tokens=acc), cu_seqlens=cu,
+        implementation=impl)
     assert new16.dtype == dtype
     same, same_rows = pool_dtype_checks(impl, dtype)
     same(np.asarray(o16), np.asarray(o32))
@@ -197,8 +199,8 @@ def test_verify_in_a_bucket_compiles_once(fn, impl, check_close):
     @jax.jit
     def step(pool, rows, acc):
         traces.append(1)
-        return FNS[fn](*padded, cu_seqlens=batch, state_cache=pool, state_indices=rows,
-                       num_accepted_tokens=acc, implementation=impl)
+        return FNS[fn](*padded, pool, PoolRows(rows, num_accepted_tokens=acc),
+                       cu_seqlens=batch, implementation=impl)
 
     for acc in ([1, 1, 3, 2], [3, 1, 2, 1]):
         acc = np.array(acc, np.int32)
@@ -215,32 +217,37 @@ def test_verify_in_a_bucket_compiles_once(fn, impl, check_close):
     assert len(traces) == 1
 
 
-def _call(**kw):
+def _call(**fields):
+    """fused_recurrent_kda_pool of two sequences with ``PoolRows(**fields)``."""
     x, cu = _inputs(0, [2, 2])
-    args = dict(cu_seqlens=cu, state_cache=_pool(0), implementation="xla")
-    args.update(kw)
-    return kda_jax.fused_recurrent_kda(*x.args(), **args)
+    return kda_jax.fused_recurrent_kda_pool(*x.args(), _pool(0), PoolRows(**fields),
+                                            cu_seqlens=cu, implementation="xla")
+
+
+VERIFY_ROWS = np.array([[0, 1], [2, 3]])
 
 
 @pytest.mark.parametrize("kw,err,match", [
-    (dict(state_indices=np.array([[0, 1], [2, 3]]), num_accepted_tokens=np.array([1, 3])),
-     ValueError, r"num_accepted_tokens\[1\]=3 is outside \[1, 2\]"),
-    (dict(state_indices=np.array([[0, 1], [2, 3]]), num_accepted_tokens=np.array([0, 1])),
-     ValueError, r"num_accepted_tokens\[0\]=0 is outside \[1, 2\]"),
-    (dict(state_indices=np.array([[0], [2]])),
-     ValueError, "sequence 0 has 2 tokens but state_indices has 1 columns"),
-    (dict(state_indices=np.array([[0, 1], [1, 3]])), ValueError, "names row 1 more than once"),
-    (dict(state_indices=np.array([[0, 1], [2, 99]])), ValueError,
-     r"state_indices\[1, 1\]=99 is >= slots=20"),
-    (dict(state_indices=np.array([[0, 1], [2, 3], [4, 5]])), ValueError, "N = .* = 2 rows"),
-    (dict(state_indices=np.array([0, 1]), num_accepted_tokens=np.array([1, 1])),
-     ValueError, r"num_accepted_tokens is only used with a speculative-verify"),
-    (dict(state_cache=None, num_accepted_tokens=np.array([1, 1])),
-     ValueError, "num_accepted_tokens is only used with state_cache"),
-    (dict(state_indices=np.array([[0, 1], [2, 3]]), num_accepted_tokens=np.array([1.0, 1.0])),
-     TypeError, "num_accepted_tokens must be an int32 array"),
-    (dict(state_indices=np.array([[0, 1], [2, 3]], np.float32)), TypeError,
-     "state_indices must be an int32 array"),
+    (dict(ssm_state_indices=VERIFY_ROWS, num_accepted_tokens=np.array([1, 3])),
+     ValueError, r"rows\.num_accepted_tokens\[1\]=3 is outside \[1, 2\]"),
+    (dict(ssm_state_indices=VERIFY_ROWS, num_accepted_tokens=np.array([0, 1])),
+     ValueError, r"rows\.num_accepted_tokens\[0\]=0 is outside \[1, 2\]"),
+    (dict(ssm_state_indices=np.array([[0], [2]])),
+     ValueError, r"sequence 0 has 2 tokens but rows\.ssm_state_indices has 1 columns"),
+    (dict(ssm_state_indices=np.array([[0, 1], [1, 3]])), ValueError,
+     r"rows\.ssm_state_indices names row 1 more than once"),
+    (dict(ssm_state_indices=np.array([[0, 1], [2, 99]])), ValueError,
+     r"rows\.ssm_state_indices\[1, 1\]=99 is >= slots=20"),
+    (dict(ssm_state_indices=np.array([[0, 1], [2, 3], [4, 5]])), ValueError,
+     r"rows\.ssm_state_indices \[N, 1 \+ drafts\] .* N = .* = 2 rows"),
+    (dict(ssm_state_indices=np.array([0, 1]), num_accepted_tokens=np.array([1, 1])),
+     ValueError, r"rows\.num_accepted_tokens is only used with a speculative-verify"),
+    (dict(ssm_state_indices=VERIFY_ROWS, write_indices=np.array([4, 5])),
+     ValueError, r"rows\.write_indices with a speculative-verify rows\.ssm_state_indices"),
+    (dict(ssm_state_indices=VERIFY_ROWS, num_accepted_tokens=np.array([1.0, 1.0])),
+     TypeError, r"rows\.num_accepted_tokens must be an int32 array"),
+    (dict(ssm_state_indices=VERIFY_ROWS.astype(np.float32)), TypeError,
+     r"rows\.ssm_state_indices must be an int32 array"),
 ])
 def test_verify_argument_errors(kw, err, match):
     with pytest.raises(err, match=match):
@@ -250,10 +257,10 @@ def test_verify_argument_errors(kw, err, match):
 def test_verify_refuses_checkpoints():
     x, cu = _inputs(0, [2, 2])
     with pytest.raises(ValueError, match="a verify already keeps the state after every token"):
-        kda_jax.chunk_kda(*x.args(), cu_seqlens=cu, state_cache=_pool(0),
-                          state_indices=np.array([[0, 1], [2, 3]], np.int32),
-                          checkpoint_every=64, checkpoint_indices=np.array([[5], [6]], np.int32),
-                          implementation="xla")
+        kda_jax.chunk_kda_pool(*x.args(), _pool(0),
+                               PoolRows(np.array([[0, 1], [2, 3]], np.int32),
+                                        checkpoint_indices=np.array([[5], [6]], np.int32)),
+                               cu_seqlens=cu, checkpoint_every=64, implementation="xla")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -266,9 +273,9 @@ def test_verify_device_count_outside_the_columns_reads_zeros(impl, check_close):
     rows, pool = _rows(22, 3, w), _pool(23)
     acc = jnp.asarray(np.array([0, 3, 2], np.int32))
     has = jnp.asarray(np.array([True, True, False]))
-    o, new = jax.jit(lambda p, a, h: kda_jax.fused_recurrent_kda(
-        *x.args(), cu_seqlens=cu, state_cache=p, state_indices=rows, num_accepted_tokens=a,
-        has_initial_state=h, implementation=impl))(pool, acc, has)
+    o, new = jax.jit(lambda p, a, h: kda_jax.fused_recurrent_kda_pool(
+        *x.args(), p, PoolRows(rows, num_accepted_tokens=a, has_initial_state=h),
+        cu_seqlens=cu, implementation=impl))(pool, acc, has)
     ro, r_after = _reference_states(x, cu, np.zeros((3, HV, K, V), np.float32))
     check_close(o, ro, "float32", "o")
     for i in range(3):
@@ -290,9 +297,9 @@ def test_verify_wide_counts_read_no_row(impl):
             for a in x.args()]
 
     def run(acc):
-        return kda_jax.fused_recurrent_kda(*args, cu_seqlens=batch, state_cache=pool,
-                                           state_indices=rows, num_accepted_tokens=acc,
-                                           implementation=impl)[0]
+        return kda_jax.fused_recurrent_kda_pool(*args, pool,
+                                                PoolRows(rows, num_accepted_tokens=acc),
+                                                cu_seqlens=batch, implementation=impl)[0]
 
     wide = run(np.array([2**32 + 3, 1], np.int64))
     np.testing.assert_array_equal(np.asarray(wide), np.asarray(run(np.array([0, 1], np.int32))))

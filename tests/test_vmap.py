@@ -10,7 +10,6 @@ Tiny shapes (T <= 40, K = V = 16, chunk_size 32) keep the compiles short.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.extend.core as jex
@@ -231,11 +230,12 @@ def test_errors_for_what_cannot_be_mapped():
         jax.vmap(lambda *a: kda_jax.chunk_kda(*a[:5], cu_seqlens=a[5], implementation="triton",
                                               chunk_size=32))(*qkvgb, cus)
     pool = jnp.zeros((4, 2, 16, 16), jnp.float32)
-    serve = functools.partial(kda_jax.fused_recurrent_kda, cu_seqlens=list(CU), state_cache=pool,
-                              state_indices=np.array([0, 1, 2], np.int32),
-                              implementation="triton")
-    with pytest.raises(NotBatchableError, match="with a state_cache is not supported.*"
-                                                "host bounds.*no state_cache"):
+    rows = kda_jax.PoolRows(np.array([0, 1, 2], np.int32))
+    serve = lambda *a: kda_jax.fused_recurrent_kda_pool(*a, pool, rows, cu_seqlens=list(CU),
+                                                         implementation="triton")
+    with pytest.raises(NotBatchableError, match="jax.vmap of fused_recurrent_kda_pool on the "
+                                                "Triton path.* is not supported.*host bounds.*"
+                                                "use implementation='xla'"):
         jax.vmap(serve)(*qkvgb)
 
 

@@ -93,9 +93,9 @@ def main(argv=None):
                 x, h0 = inputs[n]
                 batch = jax.device_put(kda_jax.VarlenBatch.from_lengths(
                     [1] * n, kda_jax.Bucket(n, n, max_len=1)))
-                pooled = jax.jit(lambda pool, idx, batch, *a: kda_jax.fused_recurrent_kda(
-                    *(y.reshape((1, n) + y.shape[2:]) for y in a), cu_seqlens=batch,
-                    state_cache=pool, state_indices=idx, implementation="triton")[1],
+                pooled = jax.jit(lambda pool, idx, batch, *a: kda_jax.fused_recurrent_kda_pool(
+                    *(y.reshape((1, n) + y.shape[2:]) for y in a), pool, kda_jax.PoolRows(idx),
+                    cu_seqlens=batch, implementation="triton")[1],
                     donate_argnums=0)  # in place: the pool goes round
                 idx = jnp.arange(n, dtype=jnp.int32)
                 for dtype, suffix in ((jnp.float32, ""), (jnp.bfloat16, "_bf16")):

@@ -77,7 +77,8 @@ class KimiDeltaAttention(nnx.Module):
       state_v_first: KDA states ``[.., HV, V, K]`` (fla's layout) instead of
         ``[.., HV, K, V]``.
       implementation: None (best available), "xla" or "triton", passed to
-        :func:`kda_jax.chunk_kda` / :func:`kda_jax.fused_recurrent_kda`.
+        :func:`kda_jax.chunk_kda` / :func:`kda_jax.fused_recurrent_kda` and their
+        ``*_pool`` forms.
       dtype: the compute dtype of the projections (None: from inputs and
         parameters); the convolutions, gate, KDA state and norm compute in
         float32 inside. param_dtype: the parameters' dtype (A_log and dt_bias
@@ -325,21 +326,22 @@ class KimiDeltaAttention(nnx.Module):
         convolve = lambda conv, rows, field: self._convolve(conv, rows, layout, cache, field,
                                                             kda_bounds)
         kw = dict(cu_seqlens=kda_bounds)
-        if cache is not None:
-            if cache.is_pool:
-                kw.update(state_cache=cache.recurrent, state_indices=cache.state_indices,
-                          has_initial_state=cache.has_initial_state)
-            else:
-                kw.update(initial_state=cache.recurrent, output_final_state=True)
+        pooled = cache is not None and cache.is_pool
+        if pooled:
+            kw.update(state_cache=cache.recurrent, rows=kda_jax.PoolRows(
+                cache.state_indices, has_initial_state=cache.has_initial_state))
+        elif cache is not None:
+            kw.update(initial_state=cache.recurrent, output_final_state=True)
         longest = t if conv_bounds is None else max_seq_len(conv_bounds)
         recurrent = self.mode == "fused_recurrent" or (
             cache is not None and longest <= RECURRENT_MAX_TOKENS)
         if recurrent:
-            kda = kda_jax.fused_recurrent_kda
+            kda = kda_jax.fused_recurrent_kda_pool if pooled else kda_jax.fused_recurrent_kda
         else:
             chunk = (kda_bounds.bucket.chunk_size if isinstance(kda_bounds, VarlenBatch)
                      else self.chunk_size)
-            kda = lambda *a, **k: kda_jax.chunk_kda(*a, chunk_size=chunk, **k)
+            form = kda_jax.chunk_kda_pool if pooled else kda_jax.chunk_kda
+            kda = lambda *a, **k: form(*a, chunk_size=chunk, **k)
         y, convs, state = self._mix(x, convolve, kda, kw)
         if cache is None:
             return y
@@ -366,7 +368,7 @@ class KimiDeltaAttention(nnx.Module):
             states roll back with the KDA state: each row holds the last W - 1
             inputs up to its token.
           num_accepted_tokens: int32 ``[N]`` in [1, 1 + S] (None: column 0),
-            as :func:`kda_jax.fused_recurrent_kda` takes it.
+            as :class:`kda_jax.PoolRows` holds it.
 
         Returns:
           ``(y [N, 1 + S, hidden], new_cache)``; y is what 1 + S one-token
@@ -410,10 +412,10 @@ class KimiDeltaAttention(nnx.Module):
             return y, state_pool.write_rows(states, rows.reshape(-1),
                                             windows.reshape((n * w,) + states.shape[1:]))
 
-        kw = dict(state_cache=cache.recurrent, state_indices=idx,
-                  num_accepted_tokens=num_accepted_tokens,
-                  has_initial_state=cache.has_initial_state)
-        y, convs, state = self._mix(x, convolve, kda_jax.fused_recurrent_kda, kw)
+        kw = dict(state_cache=cache.recurrent, rows=kda_jax.PoolRows(
+            idx, num_accepted_tokens=num_accepted_tokens,
+            has_initial_state=cache.has_initial_state))
+        y, convs, state = self._mix(x, convolve, kda_jax.fused_recurrent_kda_pool, kw)
         has = cache.has_initial_state
         return y, KDACache(*convs, state, idx, None if has is None else jnp.ones_like(has))
 

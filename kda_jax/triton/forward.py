@@ -350,11 +350,11 @@ def chunk_kda_triton_serving(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     as ``bounds``, or prefill checkpoints), which are forward only: jax.grad
     and jax.vmap of it raise (:mod:`kda_jax.triton.forward_only`) instead of
     failing inside JAX."""
-    with_what = ("a state_cache" if pool is not None else
-                 "a VarlenBatch as cu_seqlens" if checkpoint_every is None else
-                 f"checkpoint_every={checkpoint_every}")
-    form = (f"chunk_kda on the Triton path (implementation='triton', the default on a GPU) "
-            f"with {with_what}")
+    name = ("chunk_kda_pool" if pool is not None else
+            "chunk_kda" if checkpoint_every is None else "chunk_kda_checkpoints")
+    form = f"{name} on the Triton path (implementation='triton', the default on a GPU)"
+    if pool is None and checkpoint_every is None:
+        form += " with a VarlenBatch as cu_seqlens"
 
     def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool, checkpoint_indices):
         return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,

@@ -28,14 +28,14 @@ __all__ = ["forward_only", "not_differentiable", "unbatchable", "GRAD_ALTERNATIV
 
 GRAD_ALTERNATIVE = (
     "differentiable are chunk_kda's Triton path with host bounds (cu_seqlens None, a list, a "
-    "NumPy array or a SeqBounds) and no state_cache, and implementation='xla' in every form "
-    "(both functions, a state_cache, a VarlenBatch)"
+    "NumPy array or a SeqBounds), and implementation='xla' in every form (every function, "
+    "a pool, a VarlenBatch)"
 )
 VMAP_ALTERNATIVE = (
     "on the Triton path jax.vmap folds the mapped axis into one launch with host bounds "
-    "(cu_seqlens None, a list, a NumPy array or a SeqBounds) and no state_cache; with this "
-    "form use implementation='xla' under jax.vmap, or fold the mapped axis into the call "
-    "(more sequences in the batch and in state_indices)"
+    "(cu_seqlens None, a list, a NumPy array or a SeqBounds) in chunk_kda and "
+    "fused_recurrent_kda; with this form use implementation='xla' under jax.vmap, or fold the "
+    "mapped axis into the call (more sequences in the batch and in the pool rows)"
 )
 
 

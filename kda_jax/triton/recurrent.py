@@ -108,13 +108,15 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, 
         return _launch(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
                        bounds=bounds, config=config, pool=pool)
 
-    with_what = "a state_cache" if pool is not None else "a VarlenBatch as cu_seqlens"
+    form = (f"fused_recurrent_kda_pool{_ON_TRITON}" if pool is not None else
+            f"fused_recurrent_kda{_ON_TRITON} with a VarlenBatch as cu_seqlens")
     outs = ("o", "state" if pool is None else "cache")
-    return forward_only(partitioned(serve, CALL, outs), f"{_FORM} with {with_what}")(
+    return forward_only(partitioned(serve, CALL, outs), form)(
         q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool)
 
 
-_FORM = "fused_recurrent_kda on the Triton path (implementation='triton', the default on a GPU)"
+_ON_TRITON = " on the Triton path (implementation='triton', the default on a GPU)"
+_FORM = "fused_recurrent_kda" + _ON_TRITON
 # The launch's layout without a pool (kda_jax.triton.batching): (q, k, v, g,
 # beta, initial_state, A_log, dt_bias, bounds) -> (o, final_state).
 LAUNCH_INPUTS = (ROWS,) * 5 + (STATE, HEAD_PARAM, HEAD_PARAM, BOUNDS)
