@@ -322,8 +322,18 @@ def _chunk(q, k, v, g, beta, flags: dict, *, chunk_size, cu_seqlens, implementat
     return _chunk_xla(*args, opts=opts, bounds=bounds)
 
 
-def _flags(**flags) -> dict:
-    return flags
+# The options every form shares. The pool forms have no initial_state and
+# output_final_state (their states are the pool's rows).
+_SHARED = dict(scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+               lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+               state_v_first=False)
+
+
+def _flags(arguments: dict) -> dict:
+    """The shared options from a public function's ``locals()`` (taken first
+    thing), each absent one at its default."""
+    return {name: arguments.get(name, default) for name, default in _SHARED.items()}
 
 
 def chunk_kda(
@@ -333,12 +343,7 @@ def chunk_kda(
     state_v_first=False, chunk_size=64, cu_seqlens=None, implementation=None,
     context_axis=None,
 ):
-    flags = _flags(
-        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first)
+    flags = _flags(locals())
     return _chunk(q, k, v, g, beta, flags, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                   implementation=implementation, context_axis=context_axis)
 
@@ -350,12 +355,7 @@ def chunk_kda_checkpoints(
     allow_neg_eigval=False, state_v_first=False, chunk_size=64, cu_seqlens=None,
     implementation=None,
 ):
-    flags = _flags(
-        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first)
+    flags = _flags(locals())
     if checkpoint_every is None:
         raise TypeError(
             "chunk_kda_checkpoints needs checkpoint_every, a positive Python int that is a "
@@ -370,12 +370,7 @@ def chunk_kda_pool(
     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
     chunk_size=64, cu_seqlens=None, implementation=None, checkpoint_every=None,
 ):
-    flags = _flags(
-        scale=scale, initial_state=None, output_final_state=False,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first)
+    flags = _flags(locals())
     return _chunk(q, k, v, g, beta, flags, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                   implementation=implementation, state_cache=state_cache,
                   pool_form=True, rows=rows, checkpoint_every=checkpoint_every)
@@ -484,12 +479,7 @@ def fused_recurrent_kda(
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
     state_v_first=False, cu_seqlens=None, implementation=None,
 ):
-    flags = _flags(
-        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first)
+    flags = _flags(locals())
     return _recurrent_call(q, k, v, g, beta, flags, cu_seqlens=cu_seqlens,
                            implementation=implementation)
 
@@ -500,12 +490,7 @@ def fused_recurrent_kda_pool(
     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
     cu_seqlens=None, implementation=None,
 ):
-    flags = _flags(
-        scale=scale, initial_state=None, output_final_state=False,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first)
+    flags = _flags(locals())
     return _recurrent_call(q, k, v, g, beta, flags, cu_seqlens=cu_seqlens,
                            implementation=implementation, pool_form=True,
                            state_cache=state_cache, rows=rows)
