@@ -32,6 +32,9 @@ WORK_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # BackwardConfig.chunk_states: the backward's per-chunk states in float32, or
 # in the intermediates' dtype.
 CHUNK_STATES = ("fp32", "work")
+# BackwardConfig.normalized_qk: the in-kernel L2-normalized q, k reach the
+# backward's kernels in float32, or rounded to the caller's 16-bit dtype.
+NORMALIZED_QK = ("fp32", "input")
 
 
 def _fail(owner: str, name: str, value, must: str):
@@ -411,6 +414,13 @@ class BackwardConfig:
       intermediates' dtype for its products anyway; only its sum over V of
       dS * h (a term of dG) sees the difference. 16-bit ones halve the
       passes' largest stores and the inter kernel's largest loads.
+    normalized_qk: with ``use_qk_l2norm_in_kernel`` and 16-bit inputs, the
+      normalized q, k that the backward's kernels take: "fp32" (as the
+      transform computes them, which makes every intermediate float32), or
+      "input", rounded to the inputs' dtype first, as fla's separate L2-norm
+      kernel writes them, so that the intermediates are 16-bit (unless
+      ``gate_fp32_max_k`` asks for float32). The norm's own gradient stays
+      float32 either way.
     """
 
     recompute: Mapping[str, PrepareConfig]
@@ -422,6 +432,7 @@ class BackwardConfig:
     fold: FoldConfig
     gate_fp32_max_k: int
     chunk_states: str = "fp32"
+    normalized_qk: str = "fp32"
 
     def __post_init__(self):
         owner = "BackwardConfig"
@@ -444,6 +455,9 @@ class BackwardConfig:
         if self.chunk_states not in CHUNK_STATES:
             _fail(owner, "chunk_states", self.chunk_states,
                   f"must be one of {', '.join(map(repr, CHUNK_STATES))}")
+        if self.normalized_qk not in NORMALIZED_QK:
+            _fail(owner, "normalized_qk", self.normalized_qk,
+                  f"must be one of {', '.join(map(repr, NORMALIZED_QK))}")
 
 
 RECURRENT_VARIANTS = ("dense", "varlen", "wide")

@@ -435,7 +435,8 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
     if dht is not None:
         state_axes = (slice(None), slice(None), None, None)
         dht = jnp.where(finals[state_axes], jnp.zeros((), dht.dtype), dht)
-    dq, dk, dv, dg, dbeta, dh0 = _backward_kernels(tq, tk, tv, tg, tb, initial_state, do, dht,
+    kq, kk = _kernel_qk(tq, tk, q.dtype, opts, bwd_config)
+    dq, dk, dv, dg, dbeta, dh0 = _backward_kernels(kq, kk, tv, tg, tb, initial_state, do, dht,
                                                    opts, bounds, bwd_config, segments)
     # A value head's q/k gradient belongs to its group's q/k head.
     group = lambda x: x.reshape(tokens, h, hv // h, kd).sum(axis=2)
@@ -452,6 +453,17 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
 
 
 _chunk_kda.defvjp(_fwd, _bwd)
+
+
+def _kernel_qk(q, k, input_dtype, opts: KdaOptions, config: BackwardConfig):
+    """The (transformed) q, k the backward's kernels take: the in-kernel
+    L2-normalized ones are float32, rounded to 16-bit inputs' dtype where
+    ``config.normalized_qk`` is "input" (then the intermediates are 16-bit)."""
+    dtype = jnp.dtype(input_dtype)
+    if (opts.use_qk_l2norm_in_kernel and config.normalized_qk == "input"
+            and dtype.itemsize == 2):
+        return q.astype(dtype), k.astype(dtype)
+    return q, k
 
 
 def _vjp_with_flags(opts, q, k, v, g, beta, A_log, dt_bias):
