@@ -411,9 +411,10 @@ def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: 
         if bad.size:
             i = int(bad[0])
             raise ValueError(
-                f"rows.num_accepted_tokens[{i}]={int(acc[i])} is outside [1, {w}] (ssm_state_indices has "
-                f"{w} columns): sequence n starts from column num_accepted_tokens[n] - 1, the "
-                f"state after its last accepted token; pass a count in [1, {w}]")
+                f"rows.num_accepted_tokens[{i}]={int(acc[i])} is outside [1, {w}] "
+                f"(rows.ssm_state_indices has {w} columns): sequence n starts from column "
+                f"num_accepted_tokens[n] - 1, the state after its last accepted token; pass a "
+                f"count in [1, {w}]")
     return state_pool.StatePool(None, state_pool.start_rows(rows, num_accepted_tokens), None,
                                 rows)
 
@@ -466,19 +467,23 @@ def _check_pool(state_cache, rows, *, bounds, n, what, dims: _Dims,
             "rows.num_accepted_tokens is only used with a speculative-verify "
             "rows.ssm_state_indices of shape [N, 1 + drafts] (one row per token's state), got "
             f"ssm_state_indices of shape {tuple(indices.shape)}; pass the "
-            "[N, 1 + drafts] indices, or drop num_accepted_tokens")
+            "[N, 1 + drafts] indices, or drop rows.num_accepted_tokens")
     if rows.write_indices is None:
         return state_pool.StatePool(state_cache, checked(indices, "rows.ssm_state_indices"),
                                     has_initial_state)
     read = checked(indices, "rows.ssm_state_indices", True)
     write = checked(rows.write_indices, "rows.write_indices")
-    if (isinstance(read, np.ndarray) and isinstance(write, np.ndarray)
-            and (has_initial_state is None or isinstance(has_initial_state, np.ndarray))):
-        # A sequence with has_initial_state False reads no row.
-        _check_row_owners(read if has_initial_state is None
-                          else np.where(has_initial_state, read, -1), write,
-                          "rows.write_indices")
+    if isinstance(read, np.ndarray) and isinstance(write, np.ndarray):
+        _check_row_owners(_readers(read, has_initial_state), write, "rows.write_indices")
     return state_pool.StatePool(state_cache, read, has_initial_state, write)
+
+
+def _readers(read: np.ndarray, has_initial_state) -> np.ndarray:
+    """The host rows sequences read: none (-1) where a NumPy has_initial_state
+    is False. Device flags are unknown here: every named row counts as read."""
+    if isinstance(has_initial_state, np.ndarray):
+        return np.where(has_initial_state, read, -1)
+    return read
 
 
 def _check_row_owners(read: np.ndarray, written: np.ndarray, written_name: str):
@@ -605,7 +610,7 @@ def _check_checkpoint_rows(idx: np.ndarray, used: np.ndarray, slots: int,
             raise ValueError(
                 f"rows.checkpoint_indices[{n}, {j}]={row} is also the row sequence "
                 f"{int(np.flatnonzero(final == row)[0])}'s final state is written to "
-                "(rows.ssm_state_indices / write_indices); a row takes one state: give the "
+                "(rows.ssm_state_indices / rows.write_indices); a row takes one state: give the "
                 "checkpoint another row, or -1 to skip it")
     return rows.astype(np.int32)
 
@@ -663,8 +668,7 @@ def check_checkpoints(checkpoint_every, checkpoint_indices, *, chunk_size: int, 
     final_rows = state_pool.write_index(pool)
     rows = _check_checkpoint_rows(
         idx, used, slots, final_rows if isinstance(final_rows, np.ndarray) else None)
-    read_rows, has = pool.indices, pool.has_initial_state
-    if isinstance(read_rows, np.ndarray) and (has is None or isinstance(has, np.ndarray)):
-        _check_row_owners(read_rows if has is None else np.where(has, read_rows, -1), rows,
+    if isinstance(pool.indices, np.ndarray):
+        _check_row_owners(_readers(pool.indices, pool.has_initial_state), rows,
                           "rows.checkpoint_indices")
     return every, rows

@@ -77,6 +77,8 @@ def test_checkpoints_form_returns_three_whatever_the_flags():
     (kda_jax.fused_recurrent_kda, "state_cache", None),
     (kda_jax.fused_recurrent_kda, "num_accepted_tokens", None),
     (kda_jax.chunk_kda_pool, "initial_state", None),
+    (kda_jax.fused_recurrent_kda_pool, "initial_state", None),
+    (kda_jax.fused_recurrent_kda_pool, "output_final_state", True),
     (kda_jax.chunk_kda_pool, "output_final_state", True),
     (kda_jax.chunk_kda_pool, "context_axis", "x"),
     (kda_jax.fused_recurrent_kda_pool, "checkpoint_every", 64),
@@ -112,9 +114,10 @@ def test_pool_rows_are_a_pytree_through_jit():
 
 
 def test_a_sequence_without_initial_state_reads_no_row():
-    """has_initial_state False: the sequence reads nothing, so a row another
-    sequence writes in the same call is not a clash for it (host check), as
-    with checkpoint rows."""
+    """has_initial_state False (NumPy): the sequence reads nothing, so a row
+    another sequence writes in the same call is not a clash for it (host
+    check), as with checkpoint rows. Device flags are unknown on the host:
+    then every named row counts as read and the clash is refused."""
     x, cu = _inputs()
     pool = jnp.asarray(_pool())
     read = np.array([5, 1, 2], np.int32)
@@ -123,6 +126,9 @@ def test_a_sequence_without_initial_state_reads_no_row():
     kda_jax.chunk_kda_pool(*x.args(), pool, PoolRows(read, write_indices=write,
                                                      has_initial_state=has),
                            cu_seqlens=cu, implementation="xla")
-    with pytest.raises(ValueError, match=r"rows\.ssm_state_indices\[0\]=5 is the row sequence 1"):
-        kda_jax.chunk_kda_pool(*x.args(), pool, PoolRows(read, write_indices=write),
-                               cu_seqlens=cu, implementation="xla")
+    for flags in (None, jnp.asarray(has)):
+        with pytest.raises(ValueError,
+                           match=r"rows\.ssm_state_indices\[0\]=5 is the row sequence 1"):
+            kda_jax.chunk_kda_pool(*x.args(), pool, PoolRows(read, write_indices=write,
+                                                             has_initial_state=flags),
+                                   cu_seqlens=cu, implementation="xla")

@@ -469,10 +469,12 @@ def test_normalized_qk_in_the_input_dtype(dtype, sixteen_bit_intermediates):
     reference: q..initial_state within the bf16 bars, or 1.3x the float32
     form's error where that is larger (the interpreter rounds every bf16
     operation); the gate parameters within fla's own bars for its chunk_kda
-    (tests/ops/test_kda.py since fla v0.5.0: dbias 8e-3; dA 3e-3 is a warning
-    there, held here at 3e-2). The float32 form differs: the switch acts.
+    (tests/ops/test_kda.py since fla v0.5.0: dbias 8e-3; dA 3e-3, a warning
+    there, a failure here; 1.5e-3 measured). The float32 form differs: the
+    switch acts.
     At bfloat16 the interpreter's rounding of every operation puts dk at
-    1.1e-2 and ddt_bias at 9.5e-3 at this case, over those bars; a GPU's
+    1.1e-2, ddt_bias at 9.5e-3 and dA_log at 8.0e-3 at this case, over those
+    bars; a GPU's
     fused arithmetic rounds less, and its margin there decides the default
     (docs/kda.md section 6)."""
     B, T, H, K = 1, 200, 2, 32
@@ -491,7 +493,7 @@ def test_normalized_qk_in_the_input_dtype(dtype, sixteen_bit_intermediates):
             got[form] = jax.jit(jax.grad(_loss(fast, arrays, call_kw, w_o, w_f)))(
                 {n: arrays[n] for n in GATE})
         err[form] = {n: _rel_rms(got[form][n], ref[n]) for n in GATE}
-    bars = dict(TOL_BF16, A_log=3e-2, dt_bias=8e-3)
+    bars = dict(TOL_BF16, A_log=3e-3, dt_bias=8e-3)
     over = [f"d{n}: {err['input'][n]:.3e} (float32 q, k {err['fp32'][n]:.3e}, bar "
             f"{bars[n]:.0e})" for n in GATE
             if err["input"][n] > max(bars[n], 1.3 * err["fp32"][n])]

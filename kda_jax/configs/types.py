@@ -420,7 +420,9 @@ class BackwardConfig:
       "input", rounded to the inputs' dtype first, as fla's separate L2-norm
       kernel writes them, so that the intermediates are 16-bit (unless
       ``gate_fp32_max_k`` asks for float32). The norm's own gradient stays
-      float32 either way.
+      float32 either way; the forward keeps its float32 norm in the kernel,
+      so the gradient is that of q, k rounded after the norm (fla rounds them
+      in both passes).
     """
 
     recompute: Mapping[str, PrepareConfig]

@@ -435,7 +435,7 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
     if dht is not None:
         state_axes = (slice(None), slice(None), None, None)
         dht = jnp.where(finals[state_axes], jnp.zeros((), dht.dtype), dht)
-    kq, kk = _kernel_qk(tq, tk, q.dtype, opts, bwd_config)
+    kq, kk = _kernel_qk(tq, tk, q.dtype, k.dtype, opts, bwd_config)
     dq, dk, dv, dg, dbeta, dh0 = _backward_kernels(kq, kk, tv, tg, tb, initial_state, do, dht,
                                                    opts, bounds, bwd_config, segments)
     # A value head's q/k gradient belongs to its group's q/k head.
@@ -455,15 +455,15 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
 _chunk_kda.defvjp(_fwd, _bwd)
 
 
-def _kernel_qk(q, k, input_dtype, opts: KdaOptions, config: BackwardConfig):
+def _kernel_qk(q, k, q_dtype, k_dtype, opts: KdaOptions, config: BackwardConfig):
     """The (transformed) q, k the backward's kernels take: the in-kernel
-    L2-normalized ones are float32, rounded to 16-bit inputs' dtype where
-    ``config.normalized_qk`` is "input" (then the intermediates are 16-bit)."""
-    dtype = jnp.dtype(input_dtype)
-    if (opts.use_qk_l2norm_in_kernel and config.normalized_qk == "input"
-            and dtype.itemsize == 2):
-        return q.astype(dtype), k.astype(dtype)
-    return q, k
+    L2-normalized ones are float32, each rounded to its caller's 16-bit dtype
+    where ``config.normalized_qk`` is "input" (then the intermediates are
+    16-bit)."""
+    if not opts.use_qk_l2norm_in_kernel or config.normalized_qk != "input":
+        return q, k
+    rounded = lambda x, dtype: x.astype(dtype) if jnp.dtype(dtype).itemsize == 2 else x
+    return rounded(q, q_dtype), rounded(k, k_dtype)
 
 
 def _vjp_with_flags(opts, q, k, v, g, beta, A_log, dt_bias):
