@@ -20,6 +20,9 @@
 #   serving   bench.serving: the mixed serving step, bucketed and static, against fla
 #   decode    bench.decode: dense, float32 / bf16 pool and verify steps against fla, with
 #             alternating rounds; then bench.pool_drift on the Triton path: $OUT/pool16-drift.json
+#   precision bench.gate_precision: every gradient's relative RMS against the float32
+#             reference at fla's gate grid, for PRECISION_IMPLS (default "triton"; config
+#             variants as bench.sweep names them): $OUT/gate-precision.json
 #   plot      bench.plot: PNG charts of the JSON written here
 #   tune-forward, tune-backward, tune-decode   the config tuners (bench/tune/)
 #   profile   Nsight Compute on one chunk_kda call (bench.profile_target at PROFILE_SHAPE,
@@ -132,6 +135,9 @@ for stage in "${stages[@]}"; do
         | tee "$OUT/decode.log" | tail -20
       timeout "$limit" python3 -m bench.pool_drift --implementation triton \
         --json "$OUT/pool16-drift.json" 2>&1 | tail -6 ;;
+    precision)
+      timeout "$limit" python3 -m bench.gate_precision --impls "${PRECISION_IMPLS:-triton}" \
+        --json "$OUT/gate-precision.json" 2>&1 | tee "$OUT/gate-precision.log" | tail -12 ;;
     plot)
       python3 -m bench.plot --results "$OUT" ;;
     tune-forward|tune-backward|tune-decode)

@@ -14,8 +14,11 @@ __all__ = [
     "Case",
     "CASES",
     "case",
+    "GATE_PARAM_GRID",
+    "GATE_PARAM_GRID_SMALL",
     "GRAD_TOLERANCES",
     "KdaInputs",
+    "gate_param_inputs",
     "make_inputs",
     "rel_rms",
     "max_abs",
@@ -300,6 +303,45 @@ class KdaInputs:
 
     def args(self):
         return self.q, self.k, self.v, self.g, self.beta
+
+
+# The in-kernel gate's parameters at fla's KDA test grid (its
+# tests/ops/test_kda.py::test_chunk, the use_gate_in_kernel rows, and the
+# bf16 forms of them): uniform q, k, v in [0, 1) (l2-normalized outside or in
+# the kernel), raw gate logits divided by a normalizer, sigmoid beta, scale 0.1,
+# random cotangents for o and the final state.
+# (B, T, H, K, input dtype, normalizer, in-kernel l2norm). The small grid runs
+# in Triton's interpreter.
+GATE_PARAM_GRID = (
+    (2, 1500, 4, 128, "float16", 1.0, False),
+    (4, 2048, 8, 64, "float16", 1.0, False),
+    (2, 1500, 4, 128, "float16", 10.0, True),
+    (1, 2048, 8, 128, "bfloat16", 1.0, True),
+    (2, 1024, 4, 100, "bfloat16", 10.0, False),
+)
+GATE_PARAM_GRID_SMALL = ((1, 70, 1, 16, "float32", 1.0, False),
+                         (1, 40, 2, 32, "bfloat16", 10.0, True))
+
+
+def gate_param_inputs(seed, B, T, H, K, dtype, normalizer, l2norm):
+    """One case of :data:`GATE_PARAM_GRID` as NumPy float32 arrays: (arrays,
+    w_o, w_f), ``arrays`` q, k, v, g, beta, initial_state, A_log, dt_bias (the
+    caller casts q, k, v, beta to ``dtype``), and the cotangent weights of o
+    ``[B, T, H, K]`` and of the final state ``[B, H, K, K]`` (V = K)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.random((B, T, H, K), dtype=np.float32) for _ in range(3))
+    if not l2norm:
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = rng.standard_normal((B, T, H, K), dtype=np.float32) / normalizer
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H), dtype=np.float32)))
+    arrays = dict(q=q, k=k, v=v, g=g, beta=beta,
+                  initial_state=rng.standard_normal((B, H, K, K), dtype=np.float32),
+                  A_log=rng.standard_normal(H, dtype=np.float32),
+                  dt_bias=rng.standard_normal(H * K, dtype=np.float32))
+    w_o = rng.standard_normal((B, T, H, K), dtype=np.float32)
+    w_f = rng.standard_normal((B, H, K, K), dtype=np.float32)
+    return arrays, w_o, w_f
 
 
 def make_inputs(

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from bench import meta, plot, timing
+from kda_jax import testing
 
 
 def test_run_metadata_names_date_commit_versions_machine_and_command():
@@ -185,3 +186,21 @@ def test_profile_target_runs_a_forward_and_a_gradient():
 
     profile_target.main(["1,64,2", "--head-dim", "16", "--calls", "1"])
     profile_target.main(["1,64,2", "--head-dim", "16", "--calls", "1", "--backward"])
+
+
+def test_gate_precision_rows_on_the_small_grid(tmp_path):
+    """bench.gate_precision on the interpreter's grid, XLA path: one row per case and
+    implementation, each gradient's relative RMS against the float32 reference, the run's
+    metadata stamped on; the float32 case is exact to float32 rounding."""
+    from bench import gate_precision
+    path = tmp_path / "precision.json"
+    gate_precision.main(["--small", "--impls", "xla", "--json", str(path)])
+    rows = json.loads(path.read_text())
+    assert [r["case"] for r in rows] == ["B1-T70-H1-K16-float32-n1.0-l2False",
+                                         "B1-T40-H2-K32-bfloat16-n10.0-l2True"]
+    assert {"date", "commit", "command"} <= set(rows[0])
+    for name in gate_precision.NAMES:
+        assert rows[0][f"d{name}"] < 1e-5
+        assert rows[1][f"d{name}"] < testing.GRAD_TOLERANCES["bfloat16"][name]
+    with pytest.raises(ValueError):
+        gate_precision.main(["--small", "--impls", "triton:backward.no_such_field=1"])
