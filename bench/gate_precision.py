@@ -6,9 +6,9 @@ variant, in one process.
     python -m bench.gate_precision [--impls triton,triton:backward.FIELD=VALUE+...]
                                    [--small] [--json PATH]
 
-The loss is tests/test_triton_grad.py's: sum(o * w_o) + sum(final_state * w_f), the
-reference's o rounded to the inputs' dtype as the API rounds its own (so both see the same
-cotangent). Implementations are bench.sweep's names ("triton", "xla", "triton:PATH=VALUE"
+The loss is the gate-grid test's, testing.weighted_loss: sum(o * w_o) + sum(final_state *
+w_f), the reference's o rounded to the inputs' dtype as the API rounds its own (so both see
+the same cotangent). Implementations are bench.sweep's names ("triton", "xla", "triton:PATH=VALUE"
 config variants). On a GPU the grid runs natively; --small takes the interpreter's grid
 (KDA_JAX_INTERPRET=1 on a CPU). The bars to hold the numbers against are fla's for its
 chunk_kda (testing.GRAD_TOLERANCES, docs/kda.md section 6).
@@ -31,33 +31,19 @@ from kda_jax import testing
 NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
-def case_arrays(case):
-    """(arrays as jax arrays in the case's dtypes, w_o, w_f, call keywords)."""
-    b, t, h, kd, dtype, normalizer, l2norm = case
-    arrays, w_o, w_f = testing.gate_param_inputs(3, b, t, h, kd, dtype, normalizer, l2norm)
-    sixteen = ("q", "k", "v", "beta")
-    arrays = {n: jnp.asarray(a, dtype if n in sixteen else jnp.float32) for n, a in arrays.items()}
-    call_kw = dict(scale=0.1, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=l2norm)
-    return arrays, w_o, w_f, call_kw
-
-
 def gradients(fn, arrays, w_o, w_f, call_kw, out_dtype=None):
-    """The gradients of sum(o * w_o) + sum(final_state * w_f) for every array."""
-    def loss(a):
-        o, final = fn(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["initial_state"],
-                      output_final_state=True, A_log=a["A_log"], dt_bias=a["dt_bias"],
-                      **call_kw)
-        if out_dtype is not None:
-            o = o.astype(out_dtype)
-        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final * w_f)
-
+    """The gradients of testing.weighted_loss for every array."""
+    loss = testing.weighted_loss(fn, arrays, call_kw, w_o, w_f, out_dtype=out_dtype)
     return jax.jit(jax.grad(loss))(arrays)
 
 
 def run(impls, grid) -> list[dict]:
     rows = []
     for case in grid:
-        arrays, w_o, w_f, call_kw = case_arrays(case)
+        b, t, h, kd, dtype, normalizer, l2norm = case
+        arrays, w_o, w_f = testing.gate_param_inputs(3, b, t, h, kd, dtype, normalizer, l2norm)
+        call_kw = dict(scale=0.1, use_gate_in_kernel=True, A_log=True, dt_bias=True,
+                       use_qk_l2norm_in_kernel=l2norm)
         ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items()}
         ref = gradients(kda_jax.naive_recurrent_kda, ref_arrays, w_o, w_f, call_kw,
                         out_dtype=arrays["q"].dtype)

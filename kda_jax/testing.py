@@ -19,6 +19,8 @@ __all__ = [
     "GRAD_TOLERANCES",
     "KdaInputs",
     "gate_param_inputs",
+    "resolve_params",
+    "weighted_loss",
     "make_inputs",
     "rel_rms",
     "max_abs",
@@ -324,10 +326,12 @@ GATE_PARAM_GRID_SMALL = ((1, 70, 1, 16, "float32", 1.0, False),
 
 
 def gate_param_inputs(seed, B, T, H, K, dtype, normalizer, l2norm):
-    """One case of :data:`GATE_PARAM_GRID` as NumPy float32 arrays: (arrays,
-    w_o, w_f), ``arrays`` q, k, v, g, beta, initial_state, A_log, dt_bias (the
-    caller casts q, k, v, beta to ``dtype``), and the cotangent weights of o
-    ``[B, T, H, K]`` and of the final state ``[B, H, K, K]`` (V = K)."""
+    """One case of :data:`GATE_PARAM_GRID`: (arrays, w_o, w_f), ``arrays`` the
+    jax arrays q, k, v, beta in ``dtype`` and g, initial_state, A_log, dt_bias
+    in float32, and the NumPy cotangent weights of o ``[B, T, H, K]`` and of
+    the final state ``[B, H, K, K]`` (V = K)."""
+    import jax.numpy as jnp
+
     rng = np.random.default_rng(seed)
     q, k, v = (rng.random((B, T, H, K), dtype=np.float32) for _ in range(3))
     if not l2norm:
@@ -339,9 +343,38 @@ def gate_param_inputs(seed, B, T, H, K, dtype, normalizer, l2norm):
                   initial_state=rng.standard_normal((B, H, K, K), dtype=np.float32),
                   A_log=rng.standard_normal(H, dtype=np.float32),
                   dt_bias=rng.standard_normal(H * K, dtype=np.float32))
+    sixteen = ("q", "k", "v", "beta")
+    arrays = {n: jnp.asarray(a).astype(dtype if n in sixteen else jnp.float32)
+              for n, a in arrays.items()}
     w_o = rng.standard_normal((B, T, H, K), dtype=np.float32)
     w_f = rng.standard_normal((B, H, K, K), dtype=np.float32)
     return arrays, w_o, w_f
+
+
+def resolve_params(call_kw, arrays):
+    """Call keywords with ``A_log=True`` / ``dt_bias=True`` replaced by ``arrays``' own."""
+    return {n: (arrays[n] if n in ("A_log", "dt_bias") and v is True else v)
+            for n, v in call_kw.items()}
+
+
+def weighted_loss(fn, arrays, call_kw, w_o, w_f, final=True, out_dtype=None):
+    """``params -> sum(o * w_o) (+ sum(final_state * w_f))`` of ``fn`` (chunk_kda's
+    signature) on ``arrays`` updated by ``params``: every output and state element
+    carries its own cotangent. ``out_dtype``: o is rounded to it first, as chunk_kda
+    rounds o to the inputs' dtype, so a reference given it receives the same
+    (rounded) cotangent for o as the kernels do."""
+    import jax.numpy as jnp
+
+    def loss(params):
+        a = {**arrays, **params}
+        o, fs = fn(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["initial_state"],
+                   output_final_state=final, **resolve_params(call_kw, a))
+        if out_dtype is not None:
+            o = o.astype(out_dtype)
+        total = jnp.sum(o.astype(jnp.float32) * w_o)
+        return total + jnp.sum(fs * w_f) if final else total
+
+    return loss
 
 
 def make_inputs(

@@ -48,26 +48,8 @@ def _arrays(x):
                 A_log=x.A_log, dt_bias=x.dt_bias)
 
 
-def _resolve(call_kw, arrays):
-    """Call kwargs with ``A_log=True`` / ``dt_bias=True`` replaced by the arrays."""
-    return {n: (arrays[n] if n in ("A_log", "dt_bias") and v is True else v)
-            for n, v in call_kw.items()}
-
-
-def _loss(fn, arrays, call_kw, w_o, w_f, final=True, out_dtype=None):
-    """sum(o * w_o) (+ sum(final_state * w_f)). ``out_dtype``: o is rounded to it
-    first, as chunk_kda rounds o to the inputs' dtype; a reference given it
-    receives the same (rounded) cotangent for o as the kernel does."""
-    def loss(params):
-        a = {**arrays, **params}
-        o, fs = fn(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["initial_state"],
-                   output_final_state=final, **_resolve(call_kw, a))
-        if out_dtype is not None:
-            o = o.astype(out_dtype)
-        total = jnp.sum(o.astype(jnp.float32) * w_o)
-        return total + jnp.sum(fs * w_f) if final else total
-
-    return loss
+_resolve = testing.resolve_params
+_loss = testing.weighted_loss
 
 
 def _weights(x, call_kw, seed=1):
@@ -245,13 +227,6 @@ GATE_PARAM_GRID = testing.GATE_PARAM_GRID if ON_GPU else testing.GATE_PARAM_GRID
 GATE_PARAM_TOL = 1e-3
 
 
-def _gate_param_inputs(seed, B, T, H, K, dtype, normalizer, l2norm):
-    arrays, w_o, w_f = testing.gate_param_inputs(seed, B, T, H, K, dtype, normalizer, l2norm)
-    arrays = {n: jnp.asarray(a).astype(dtype if n in ("q", "k", "v", "beta") else jnp.float32)
-              for n, a in arrays.items()}
-    return arrays, w_o, w_f
-
-
 @pytest.mark.parametrize("case", GATE_PARAM_GRID,
                          ids=lambda c: "B{}-T{}-H{}-K{}-{}-n{}-l2{}".format(*c))
 def test_gate_parameter_grads_at_fla_grid(case, check_rel_rms):
@@ -260,7 +235,7 @@ def test_gate_parameter_grads_at_fla_grid(case, check_rel_rms):
     ddt_bias to 8e-3 and warn for dA_log over 3e-3), 16-bit inputs, the
     shipped backward config; every other gradient within the 16-bit bars."""
     B, T, H, K, dtype, normalizer, l2norm = case
-    arrays, w_o, w_f = _gate_param_inputs(3, B, T, H, K, jnp.dtype(dtype), normalizer, l2norm)
+    arrays, w_o, w_f = testing.gate_param_inputs(3, B, T, H, K, jnp.dtype(dtype), normalizer, l2norm)
     call_kw = dict(scale=0.1, use_gate_in_kernel=True, A_log=True, dt_bias=True,
                    use_qk_l2norm_in_kernel=l2norm)
     wrt = GATE
@@ -328,7 +303,7 @@ def test_gate_parameter_grads_sm90_config_sixteen_bit_inputs(sixteen_bit_interme
     dA_log and ddt_bias within 1e-3 of autodiff of the float32 reference.
     With bf16 intermediates they are 2e-2 / 6e-3 at this shape."""
     B, T, H, K, dtype = 1, 256, 2, 64, jnp.dtype(jnp.bfloat16)
-    arrays, w_o, w_f = _gate_param_inputs(3, B, T, H, K, dtype, 10.0, False)
+    arrays, w_o, w_f = testing.gate_param_inputs(3, B, T, H, K, dtype, 10.0, False)
     call_kw = dict(scale=0.1, use_gate_in_kernel=True, A_log=True, dt_bias=True)
     ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items()}
     ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f,
@@ -458,7 +433,7 @@ def test_normalized_qk_in_the_input_dtype(dtype, sixteen_bit_intermediates):
     fused arithmetic rounds less, and its margin there decides the default
     (docs/kda.md section 6)."""
     B, T, H, K = 1, 200, 2, 32
-    arrays, w_o, w_f = _gate_param_inputs(3, B, T, H, K, jnp.dtype(dtype), 10.0, True)
+    arrays, w_o, w_f = testing.gate_param_inputs(3, B, T, H, K, jnp.dtype(dtype), 10.0, True)
     call_kw = dict(scale=0.1, use_gate_in_kernel=True, A_log=True, dt_bias=True,
                    use_qk_l2norm_in_kernel=True)
     ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items()}
