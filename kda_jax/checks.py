@@ -373,20 +373,18 @@ def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: 
     NumPy indices are checked on the host as 1-D ones are (written rows in
     range and distinct over the whole matrix); where the host knows the
     lengths (host bounds, a NumPy VarlenBatch), every sequence must fit its W
-    columns. NumPy counts are checked to lie in [1, W]."""
-    if not hasattr(state_indices, "shape") or not hasattr(state_indices, "dtype"):
-        raise TypeError(
-            f"rows.ssm_state_indices must be an int32 array [N] or [N, 1 + drafts], got "
-            f"{type(state_indices).__name__}")
+    columns. NumPy counts are checked to lie in [1, W]. ``state_indices`` is
+    an array (:func:`_check_pool` checked)."""
     w = int(state_indices.shape[1])
     if tuple(state_indices.shape) != (n, w) or w < 1:
         raise ValueError(
-            f"rows.ssm_state_indices [N, 1 + drafts] (speculative verify) must have N = {what} = {n} "
-            f"rows and at least one column, got shape {tuple(state_indices.shape)}")
+            f"rows.ssm_state_indices [N, 1 + drafts] (speculative verify) must have "
+            f"N = {what} = {n} rows and at least one column, got shape "
+            f"{tuple(state_indices.shape)}")
     dtype = np.dtype(state_indices.dtype)
     if not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
-        raise TypeError(f"rows.ssm_state_indices must be an int32 array [N, 1 + drafts], got dtype "
-                        f"{dtype}; pass np.asarray(ssm_state_indices, np.int32)")
+        raise TypeError(f"rows.ssm_state_indices must be an int32 array [N, 1 + drafts], got "
+                        f"dtype {dtype}; pass np.asarray(ssm_state_indices, np.int32)")
     real = _real_slots(bounds)
     lens = None if bounds is None else _host_lengths(bounds)
     if lens is not None:
@@ -394,8 +392,9 @@ def _check_verify(state_indices, num_accepted_tokens, slots: int, *, bounds, n: 
         if long.size:
             i = int(long[0])
             raise ValueError(
-                f"sequence {i} has {int(lens[i])} tokens but rows.ssm_state_indices has {w} columns "
-                f"(one per token's state in a verify step, shape {tuple(state_indices.shape)}): "
+                f"sequence {i} has {int(lens[i])} tokens but rows.ssm_state_indices has {w} "
+                f"columns (one per token's state in a verify step, shape "
+                f"{tuple(state_indices.shape)}): "
                 f"give ssm_state_indices at least {int(lens.max())} columns, or verify at most {w} "
                 f"tokens per sequence")
     if isinstance(state_indices, np.ndarray) and real is not None:

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["PoolRows", "StatePool", "narrow_indices", "start_rows", "read_index", "write_index", "token_rows",
-           "read_states", "write_states", "write_rows", "gather_run_scatter"]
+__all__ = ["PoolRows", "StatePool", "narrow_indices", "start_rows", "read_index", "write_index",
+           "token_rows", "read_states", "write_states", "write_rows", "gather_run_scatter"]
 
 
 class PoolRows(NamedTuple):
