@@ -1,6 +1,7 @@
 """Decode steps (one token per sequence): kda_jax's fused_recurrent_kda against fla's.
 
     python -m bench.decode [--sizes 256,1024] [--rounds 0] [--json PATH] [--no-fla]
+                           [--tree PATH]
 
 Forms over N one-token sequences, H = 32, K = V = 128, bf16 q/k/v:
   dense  [N, 1] tokens, a float32 initial and final state per sequence (fla's
@@ -34,7 +35,7 @@ import os
 import statistics
 import sys
 
-from bench import meta as run_meta
+from bench.harness import Peers, Results, add_tree_argument, tree_rows_of
 from bench.inputs import add_step_arguments, make
 
 FORMS = ("dense", "pool", "pool bf16", "verify")
@@ -149,51 +150,37 @@ def round_order(r: int) -> tuple[str, str]:
     return ("kda_jax", "fla") if r % 2 == 0 else ("fla", "kda_jax")
 
 
-def run(a) -> tuple[list[dict], dict]:
-    """All rows of the benchmark and fla's versions."""
-    from bench.fla_peer import FlaPeer, FlaUnavailable
-
-    rows, fla, versions = [], None, {}
-    if not a.no_fla:
-        try:
-            fla = FlaPeer()
-            versions = fla.versions
-        except FlaUnavailable as e:
-            print(f"  fla failed: {e}", file=sys.stderr)
-            rows.append(dict(step="decode", implementation="fla", ms=None, error=str(e)[-300:]))
+def run(a, peers, results):
+    """Every row of the benchmark, added to ``results`` as it is measured; fla's through
+    ``peers`` (bench.harness)."""
 
     def fla_rows(n, forms, syncs=True, iters=None):
         job = dict(job="decode", n=n, heads=a.heads, head_dim=a.head_dim, forms=list(forms),
-                   drafts=a.drafts,
-                   iters=iters or a.iters, repeats=a.repeats, syncs=syncs)
-        return [m["row"] for m in fla.run(job) if "row" in m]
+                   drafts=a.drafts, iters=iters or a.iters, repeats=a.repeats, syncs=syncs)
+        return list(peers.rows(job))
 
-    try:
-        for n in a.sizes:
-            step = f"decode N={n}"
-            steps = kda_steps(n, a.heads, a.head_dim, a.kda_impl, a.drafts)
-            peer = {}
-            if fla is not None:
-                for r in fla_rows(n, FORMS):
-                    peer[r["form"]] = r.get("ms")
-                    rows.append(dict(step=step, implementation=f"fla {r['form']}", **r))
-            for form, name in steps:
-                row = dict(step=step, form=form, implementation=f"kda_jax {a.kda_impl} {name}",
-                           steps_per_call=steps[(form, name)][2])
-                try:
-                    row["ms"], row["host_ms"] = kda_ms(steps, form, name, a.iters, a.repeats)
-                    row["d2h_per_step"] = 0
-                except Exception as e:  # noqa: BLE001 - a failed row is recorded, not fatal
-                    row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
-                fla_ms = peer.get(form)
-                row["ratio_to_fla"] = row["ms"] / fla_ms if row.get("ms") and fla_ms else None
-                rows.append(row)
-            if n == a.sizes[0] and a.rounds and fla is not None:
-                rows += rounds_rows(a, n, steps, fla_rows)
-    finally:
-        if fla is not None:
-            fla.close()
-    return rows, versions
+    for n in a.sizes:
+        step = f"decode N={n}"
+        steps = kda_steps(n, a.heads, a.head_dim, a.kda_impl, a.drafts)
+        peer = {}
+        if peers.enabled:
+            for r in fla_rows(n, FORMS):
+                peer[r.get("form")] = r.get("ms")
+                results.add(dict(step=step, implementation=f"fla {r.get('form', '')}".strip(),
+                                 **r))
+        for form, name in steps:
+            row = dict(step=step, form=form, implementation=f"kda_jax {a.kda_impl} {name}",
+                       steps_per_call=steps[(form, name)][2])
+            try:
+                row["ms"], row["host_ms"] = kda_ms(steps, form, name, a.iters, a.repeats)
+                row["d2h_per_step"] = 0
+            except Exception as e:  # noqa: BLE001 - a failed row is recorded, not fatal
+                row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+            fla_ms = peer.get(form)
+            row["ratio_to_fla"] = row["ms"] / fla_ms if row.get("ms") and fla_ms else None
+            results.add(row)
+        if n == a.sizes[0] and a.rounds and peer and all(peer.values()):
+            results.add(*rounds_rows(a, n, steps, fla_rows))
 
 
 def rounds_rows(a, n, steps, fla_rows) -> list[dict]:
@@ -206,6 +193,8 @@ def rounds_rows(a, n, steps, fla_rows) -> list[dict]:
                     times[side] = kda_ms(steps, form, ROUND_STEP[form], a.iters, a.repeats)[0]
                 else:
                     times[side] = fla_rows(n, [form], syncs=False)[0]["ms"]
+            if not times["fla"]:  # the child failed: its rows say why, no rounds are made up
+                return []
             rounds.append(dict(round=r, form=form, first=round_order(r)[0],
                                kda_jax_ms=times["kda_jax"], fla_ms=times["fla"]))
             print(f"round {r} {form:6s} kda_jax {times['kda_jax']:.4f} ms  fla "
@@ -237,18 +226,21 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=0,
                    help="alternating rounds with fla at the first size (0: none)")
     add_step_arguments(p)
+    add_tree_argument(p)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     a.sizes = [int(x) for x in a.sizes.split(",")]
     if any(n < 1 for n in a.sizes):
         p.error(f"--sizes: every N must be >= 1, got {a.sizes}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
-    rows, fla_versions = run(a)
-    print_table(rows)
-    config = dict(heads=a.heads, head_dim=a.head_dim, dtype="bfloat16", iters=a.iters,
-                  repeats=a.repeats)
-    meta = run_meta.run_metadata("bench.decode", argv, **fla_versions)
-    run_meta.write_rows(a.json, run_meta.stamp([dict(r, **config) for r in rows], meta))
+    with Peers(enabled=not a.no_fla) as peers:
+        results = Results("bench.decode", argv, a.json, peers, heads=a.heads,
+                          head_dim=a.head_dim, dtype="bfloat16", iters=a.iters,
+                          repeats=a.repeats)
+        run(a, peers, results)
+        for path in a.tree:
+            results.add(*tree_rows_of(path, "bench.decode", argv))
+    print_table(results.rows)
     return 0
 
 

@@ -53,8 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import meta as run_meta
-from bench.fla_peer import FlaPeer, FlaUnavailable
+from bench.harness import Peers, PeerUnavailable, Results
 from bench.layer_fla import CASES, CPU, FULL, GATE_FORMS, SMOKE, timing_inputs
 from bench.timing import time_calls
 from kda_jax.testing import rel_rms
@@ -150,7 +149,7 @@ def _progress(what: str):
     print(f"[bench.layer] {what}", file=sys.stderr, flush=True)
 
 
-def parity(fla: FlaPeer, config: dict, cases: dict, implementation) -> list[dict]:
+def parity(fla: Peers, config: dict, cases: dict, implementation) -> list[dict]:
     from kda_jax.nn import from_fla_state_dict
 
     directory = tempfile.mkdtemp(prefix="kda-layer-")
@@ -159,7 +158,7 @@ def parity(fla: FlaPeer, config: dict, cases: dict, implementation) -> list[dict
         for msg in fla.run({"job": "parity", "config": config, "cases": cases,
                             "dir": directory}):
             if "error" in msg:
-                raise FlaUnavailable(f"fla's parity job failed: {msg['error']}\n{fla.tail()}")
+                raise PeerUnavailable(f"fla's parity job failed: {msg['error']}\n{fla.tail()}")
             files[(msg["row"]["case"], msg["row"]["variant"])] = msg["row"]["file"]
             _progress(f"fla's layer: {msg['row']['case']} ({msg['row']['variant']}) done")
         layer = our_layer(config, implementation)
@@ -221,7 +220,7 @@ def our_timings(config: dict, implementation, tokens: int, decode_seqs: int, ite
     return rows
 
 
-def fla_timings(fla: FlaPeer, config: dict, tokens: int, decode_seqs: int, iters: int,
+def fla_timings(fla: Peers, config: dict, tokens: int, decode_seqs: int, iters: int,
                 repeats: int):
     """fla's layer timed in the child: ({what: row}, its weights or None, ok)."""
     rows, ok = {}, True
@@ -237,7 +236,7 @@ def fla_timings(fla: FlaPeer, config: dict, tokens: int, decode_seqs: int, iters
                 ok = False
         path = os.path.join(directory, "weights.npz")
         return rows, (dict(np.load(path)) if os.path.exists(path) else None), ok
-    except FlaUnavailable as e:
+    except PeerUnavailable as e:
         print(f"fla timing failed: {e}", file=sys.stderr)
         return rows, None, False
     finally:
@@ -316,28 +315,30 @@ def main(argv=None) -> int:
         child.append("--first-config")
     tokens = args.tokens or (64 if args.smoke else 8192)
     decode_seqs = args.decode_seqs or (4 if args.smoke else 256)
-    fla = None
-    if not args.no_fla:
+    fla = Peers(child, enabled=not args.no_fla)
+    if fla.enabled:
         try:
-            fla = FlaPeer(child)
-        except FlaUnavailable as e:
+            fla.start()
+        except PeerUnavailable as e:
             print(f"fla unavailable, our side only: {e}", file=sys.stderr)
+            fla.enabled = False
+    results = Results("bench.layer", argv, args.json, fla)
     shapes = (f"[1, {tokens}, {config['hidden']}], {config['heads']} heads, K = V = "
               f"{config['head_dim']}; decode {decode_seqs} sequences; bf16")
-    rows, rc = [], 0
+    rc = 0
     try:
         for form in forms:
             cfg = dict(config, **GATE_FORMS[form])
             parity_rows, timing = [], []
-            if fla is not None and not args.skip_parity:
+            if fla.enabled and not args.skip_parity:
                 try:
                     parity_rows = parity(fla, cfg, cases, args.impl)
-                except FlaUnavailable as e:
+                except PeerUnavailable as e:
                     print(f"parity failed: {e}", file=sys.stderr)
                     rc = 1
             if not args.skip_timing:
                 fla_rows, weights = {}, None
-                if fla is not None:
+                if fla.enabled:
                     fla_rows, weights, ok = fla_timings(fla, cfg, tokens, decode_seqs,
                                                         args.iters, args.repeats)
                     rc = rc or int(not ok)
@@ -346,14 +347,11 @@ def main(argv=None) -> int:
                 timing = timing_rows(ours, fla_rows)
             print(f"\n== gates: {form}")
             print_tables(parity_rows, timing, shapes)
-            rows += ([{"kind": "parity", "gates": form, **r} for r in parity_rows]
-                     + [{"kind": "timing", "gates": form, "shape": shapes, **r} for r in timing])
+            results.add(*[{"kind": "parity", "gates": form, **r} for r in parity_rows],
+                        *[{"kind": "timing", "gates": form, "shape": shapes, **r}
+                          for r in timing])
     finally:
-        if fla is not None:
-            fla.close()
-    versions = fla.versions if fla is not None else {}
-    meta = run_meta.run_metadata("bench.layer", argv, **versions)
-    run_meta.write_rows(args.json, run_meta.stamp(rows, meta))
+        fla.close()
     return rc
 
 

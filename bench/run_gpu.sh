@@ -19,16 +19,16 @@
 #             layer at the softplus and safe gates (LAYER_GATES): $OUT/layer.json
 #   serving   bench.serving: the mixed serving step, bucketed and static, against fla
 #   decode    bench.decode: dense, float32 / bf16 pool and verify steps against fla, with
-#             alternating rounds; then bench.pool_drift on the Triton path: $OUT/pool16-drift.json
-#   precision bench.gate_precision: every gradient's relative RMS against the float32
+#             alternating rounds; then bench.diagnostics.pool_drift on the Triton path: $OUT/pool16-drift.json
+#   precision bench.diagnostics.gate_precision: every gradient's relative RMS against the float32
 #             reference at fla's gate grid, for PRECISION_IMPLS (default "triton"; config
 #             variants as bench.sweep names them): $OUT/gate-precision.json
 #   plot      bench.plot: PNG charts of the JSON written here
 #   tune-forward, tune-backward, tune-decode   the config tuners (bench/tune/)
-#   profile   Nsight Compute on one chunk_kda call (bench.profile_target at PROFILE_SHAPE,
+#   profile   Nsight Compute on one chunk_kda call (bench.diagnostics.profile_target at PROFILE_SHAPE,
 #             default 1,65536,4; PROFILE_ARGS=--backward for its gradient too): each kernel's
 #             duration, occupancy and warp stalls ($OUT/profile-details.txt), and the stall
-#             samples per SASS instruction, summarised by bench.stalls ($OUT/profile-stalls.txt)
+#             samples per SASS instruction, summarised by bench.diagnostics.stalls ($OUT/profile-stalls.txt)
 #
 # Needs a CUDA or ROCm GPU, the package's dependencies (pip install ".[cuda,test,bench]" or
 # ".[rocm,test,bench]") and, for the peers' columns, the "peers" extra: torch, fla-core and
@@ -133,10 +133,10 @@ for stage in "${stages[@]}"; do
     decode)
       timeout "$limit" python3 -m bench.decode --rounds "${ROUNDS:-6}" --json "$OUT/decode.json" 2>&1 \
         | tee "$OUT/decode.log" | tail -20
-      timeout "$limit" python3 -m bench.pool_drift --implementation triton \
+      timeout "$limit" python3 -m bench.diagnostics.pool_drift --implementation triton \
         --json "$OUT/pool16-drift.json" 2>&1 | tail -6 ;;
     precision)
-      timeout "$limit" python3 -m bench.gate_precision --impls "${PRECISION_IMPLS:-triton}" \
+      timeout "$limit" python3 -m bench.diagnostics.gate_precision --impls "${PRECISION_IMPLS:-triton}" \
         --json "$OUT/gate-precision.json" 2>&1 | tee "$OUT/gate-precision.log" | tail -12 ;;
     plot)
       python3 -m bench.plot --results "$OUT" ;;
@@ -150,12 +150,12 @@ for stage in "${stages[@]}"; do
         --launch-skip "${PROFILE_SKIP:-0}" --launch-count "${PROFILE_COUNT:-12}" \
         --section SpeedOfLight --section LaunchStats --section Occupancy \
         --section WarpStateStats --section SourceCounters --import-source yes -f \
-        -o "$OUT/profile" python3 -m bench.profile_target "${PROFILE_SHAPE:-1,65536,4}" \
+        -o "$OUT/profile" python3 -m bench.diagnostics.profile_target "${PROFILE_SHAPE:-1,65536,4}" \
         ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
       ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile-details.txt"
       ncu --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass \
         > "$OUT/profile-sass.csv"
-      python3 -m bench.stalls "$OUT/profile-sass.csv" > "$OUT/profile-stalls.txt"
+      python3 -m bench.diagnostics.stalls "$OUT/profile-sass.csv" > "$OUT/profile-stalls.txt"
       grep -E '^  [a-z_]+.*\(|Duration' "$OUT/profile-details.txt" | head -40
       head -60 "$OUT/profile-stalls.txt" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -1,6 +1,7 @@
 """The mixed serving step with new bounds on every call: kda_jax (bucketed, static) against fla.
 
     python -m bench.serving [--json PATH] [--sets 128] [--static-sets 16] [--no-fla]
+                            [--tree PATH]
 
 The step: 12 one-token decodes plus prefills of 1100, 1300 and 900 tokens
 (kda_jax.testing.SERVING_LENGTHS), H = 32, K = V = 128, bf16 q/k/v; call i takes
@@ -30,7 +31,7 @@ import time
 
 import numpy as np
 
-from bench import meta as run_meta
+from bench.harness import Peers, Results, add_tree_argument, tree_rows_of
 from bench.inputs import add_step_arguments, make, serving_length_sets
 from kda_jax.bounds import next_pow2
 
@@ -119,21 +120,12 @@ def kda_rows(a, sets) -> list[dict]:
     return rows
 
 
-def fla_rows(a, sets) -> tuple[list[dict], dict]:
-    """fla's rows of the mixed step (child process) and its versions."""
-    from bench.fla_peer import FlaPeer, FlaUnavailable
-
-    step, rows = f"mixed N={len(sets[0])} T~{sum(sets[0])}", []
-    try:
-        with FlaPeer() as fla:
-            for msg in fla.run(dict(job="serving", sets=sets, heads=a.heads,
-                                    head_dim=a.head_dim, iters=a.iters, repeats=a.repeats)):
-                rows.append(dict(step=step, **msg["row"]) if "row" in msg else
-                            dict(step=step, implementation="fla", ms=None, error=msg["error"]))
-            return rows, fla.versions
-    except FlaUnavailable as e:
-        print(f"  fla failed: {e}", file=sys.stderr)
-        return rows + [dict(step=step, implementation="fla", ms=None, error=str(e)[-300:])], {}
+def fla_rows(a, sets, peers) -> list[dict]:
+    """fla's rows of the mixed step (the run's PyTorch child, bench.harness.Peers)."""
+    step = f"mixed N={len(sets[0])} T~{sum(sets[0])}"
+    job = dict(job="serving", sets=sets, heads=a.heads, head_dim=a.head_dim, iters=a.iters,
+               repeats=a.repeats)
+    return [dict(dict(implementation="fla"), step=step, **r) for r in peers.rows(job)]
 
 
 def print_table(rows):
@@ -159,19 +151,23 @@ def main(argv=None):
     p.add_argument("--lengths", default=None,
                    help="comma-separated lengths of the step (default: SERVING_LENGTHS)")
     add_step_arguments(p)
+    add_tree_argument(p)
     a = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
     from kda_jax.testing import SERVING_LENGTHS
 
     base = SERVING_LENGTHS if a.lengths is None else [int(x) for x in a.lengths.split(",")]
     sets = serving_length_sets(base, a.sets)
-    fla, fla_versions = ([], {}) if a.no_fla else fla_rows(a, sets)
-    rows = kda_rows(a, sets) + fla
-    print_table(rows)
-    config = dict(heads=a.heads, head_dim=a.head_dim, dtype="bfloat16", sets=a.sets,
-                  iters=a.iters, repeats=a.repeats)
-    meta = run_meta.run_metadata("bench.serving", argv, **fla_versions)
-    run_meta.write_rows(a.json, run_meta.stamp([dict(r, **config) for r in rows], meta))
+    with Peers(enabled=not a.no_fla) as peers:
+        results = Results("bench.serving", argv, a.json, peers, heads=a.heads,
+                          head_dim=a.head_dim, dtype="bfloat16", sets=a.sets, iters=a.iters,
+                          repeats=a.repeats)
+        if peers.enabled:
+            results.add(*fla_rows(a, sets, peers))
+        results.add(*kda_rows(a, sets))
+        for path in a.tree:
+            results.add(*tree_rows_of(path, "bench.serving", argv))
+    print_table(results.rows)
     return 0
 
 

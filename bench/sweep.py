@@ -1,25 +1,23 @@
 """The sweep driver shared by bench.forward and bench.backward: the command
-line for the rows, and one loop that times kda_jax's implementations and reads
-the PyTorch peers' times (fla and cuDNN, measured in one child process,
-bench.fla_peer), printing a table and writing one JSON row per (gate regime,
-shape, implementation), each with the run's metadata (bench.meta)."""
+line for the rows, the implementation names (kda_jax's, config variants, "tree:PATH"),
+and one loop that times kda_jax's implementations and reads the peers' times (fla and
+cuDNN in the run's PyTorch child, bench.harness.Peers), printing a table and writing one
+JSON row per (gate regime, shape, implementation) through bench.harness.Results."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
-from bench import meta as run_meta
-from bench.fla_peer import FlaPeer, FlaUnavailable
+from bench.harness import (TREE, Peers, PeerUnavailable, Results, check_tree, tree_commit,
+                           tree_rows as run_tree, why_unavailable)
 from bench.inputs import GATES, make_gated, options
 from kda_jax.testing import DENSE_SWEEP, rel_rms
 
@@ -58,13 +56,10 @@ def add_arguments(p):
 # SegmentConfig).
 SEGMENT_VARIANTS = ("triton-noseg", "triton-seq")
 
-# "tree:PATH" times the Triton path of another kda_jax source tree (PATH holds
-# kda_jax/ with its kernels, e.g. from `git archive REV kda_jax | tar -x -C PATH`,
-# `kda_jax kernels` for a revision with the kernels outside the package) in the
-# same run: the same benchmark module in a child process with PATH first on
-# sys.path (two kda_jax versions cannot share a process). It keeps a replaced
-# kernel design comparable with its successor in one run.
-TREE = "tree:"
+# "tree:PATH" times the Triton path of another kda_jax source tree (bench.harness.TREE;
+# `kda_jax kernels` for a revision with the kernels outside the package) in the same run:
+# the same benchmark module in a child process. It keeps a replaced kernel design
+# comparable with its successor in one run.
 
 
 def implementation(impl: str, segment_chunks: int | None = None):
@@ -72,10 +67,7 @@ def implementation(impl: str, segment_chunks: int | None = None):
     from kda_jax import configs
 
     if impl.startswith(TREE):
-        path = impl[len(TREE):]
-        if not os.path.isfile(os.path.join(path, "kda_jax", "__init__.py")):
-            raise ValueError(f"{impl!r}: {path!r} holds no kda_jax/ source tree (make one with "
-                             "`git archive REV kda_jax | tar -x -C PATH`)")
+        check_tree(impl[len(TREE):])
         return impl, contextlib.nullcontext()
     if impl.startswith("triton@"):
         return "triton", _arch_configs(impl.split("@", 1)[1])
@@ -206,30 +198,7 @@ def kda_jax_inputs(inputs: dict, gates: str):
     return arrays, params, options(gates, "kda_jax")
 
 
-class Child:
-    """The PyTorch child of a run, shared by the peers: started at the first job, and
-    again after one dies."""
-
-    def __init__(self):
-        self.peer, self.versions = None, {}
-
-    def run(self, job):
-        if self.peer is None:
-            self.peer = FlaPeer()
-            self.versions.update({k: v for k, v in self.peer.versions.items() if v})
-        try:
-            yield from self.peer.run(job)
-        except FlaUnavailable:
-            self.close()
-            raise
-
-    def close(self):
-        if self.peer is not None:
-            self.peer.close()
-            self.peer = None
-
-
-def peer_stream(child, cases, kd, vd, mode="forward", library="fla", references=None):
+def peer_stream(peers, cases, kd, vd, mode="forward", library="fla", references=None):
     """Yields (case index, row) of a peer for ``cases`` [(gates, B, T, H, cu)] as each is
     timed (row: {"ms", ...} as bench.fla_peer's sweep job gives it). A child that does not
     start or dies leaves the rows it did not give as {"ms": None, "unavailable" / "error"}."""
@@ -237,16 +206,16 @@ def peer_stream(child, cases, kd, vd, mode="forward", library="fla", references=
             for gates, b, t, h, cu in cases]
     done = set()
     try:
-        for msg in child.run({"job": "sweep", "library": library, "mode": mode, "rows": spec,
+        for msg in peers.run({"job": "sweep", "library": library, "mode": mode, "rows": spec,
                               "references": references}):
             if "row" in msg:
                 done.add(msg["row"]["index"])
                 yield msg["row"]["index"], msg["row"]
             else:
                 print(f"  {library} failed: {msg.get('error', msg)}", file=sys.stderr)
-    except FlaUnavailable as e:
+    except PeerUnavailable as e:
         print(f"  {library} failed: {e}", file=sys.stderr)
-        why = {"error" if done or "died" in str(e) else "unavailable": str(e)[-400:]}
+        why = why_unavailable(e, started=bool(done))
         yield from ((i, {"ms": None, **why}) for i in range(len(cases)) if i not in done)
 
 
@@ -282,16 +251,15 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
     impls = args.impls.split(",")
     kd = vd = args.head_dim
     cases = [(gates, *row) for gates in gates_of(args) for row in rows_of(args)]
-    base = run_meta.run_metadata(module, argv)
     results = [{impl: {"ms": None} for impl in impls} for _ in cases]
     roofs = [roofline(b, t, h, kd, vd) if roofline else None for _, b, t, h, _ in cases]
-    child, scratch = Child(), tempfile.mkdtemp(prefix="kda-bench-o-")
+    peers, scratch = Peers(), tempfile.mkdtemp(prefix="kda-bench-o-")
+    record = Results(module, argv, args.json, peers)
     references = [None] * len(cases)  # the triton path's o per case (.npy), forward only
 
     def save():
         if not args.json:
             return
-        meta = dict(base, versions={**base["versions"], **child.versions})
         records = []
         for (gates, b, t, h, cu), row, roof in zip(cases, results, roofs):
             fields = dict(extra(b, t, h)) if extra else {}
@@ -307,7 +275,7 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
                     varlen=None if cu is None else [int(x) for x in np.diff(cu)],
                     implementation=impl if impl in PEERS else f"kda_jax-{impl}",
                     **row[impl], **ratios, **fields))
-        run_meta.write_rows(args.json, run_meta.stamp(records, meta))
+        record.replace(records)
 
     header = (f"{'gates':>8} {'B':>2} {'T':>6} {'H':>3} " + " ".join(f"{i:>10}" for i in impls)
               + "".join(f"  {'triton/' + p:>10}" for p in PEERS if p in impls and "triton" in impls)
@@ -321,7 +289,7 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
             if impl in PEERS:
                 print(f"{impl} (child process):", flush=True)
                 refs = references if any(references) else None
-                for i, row in peer_stream(child, cases, kd, vd, mode, impl, refs):
+                for i, row in peer_stream(peers, cases, kd, vd, mode, impl, refs):
                     results[i][impl] = {k: v for k, v in row.items() if k != "index"}
                     print(_line(cases[i], results[i], impls, roofs[i]), flush=True)
                     save()
@@ -346,53 +314,33 @@ def run(args, argv, *, module: str, runner, mode: str, extra=None, roofline=None
                 print(_line(cases[i], results[i], impls, roofs[i]), flush=True)
                 save()
     finally:
-        child.close()
+        peers.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return [{impl: row[impl]["ms"] for impl in impls} for row in results]
 
 
 def tree_rows(path: str, module: str, args, cases) -> list[dict]:
-    """The rows of ``cases`` timed by another source tree's Triton path (TREE): the
-    benchmark ``module`` in a child process with ``path`` first on sys.path, the same
-    rows and gate regimes. Each row {"ms", "tree_commit"} (the tree's own record of its
-    commit, or None), or {"ms": None, "error"} where the child gave none."""
-    out = tempfile.mktemp(suffix=".json", prefix="kda-bench-tree-")
-    # The tree goes before sys.path's first entry (the working directory, which may hold
-    # this checkout's kda_jax); the benchmark modules still come from this checkout.
-    start = (f"import runpy, sys; sys.path.insert(0, {os.path.abspath(path)!r}); "
-             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
-    cmd = [sys.executable, "-c", start, "--impls", "triton", "--gates",
-           ",".join(gates_of(args)), "--head-dim", str(args.head_dim), "--json", out]
+    """The rows of ``cases`` timed by another source tree's Triton path (bench.harness.
+    tree_rows): the same rows and gate regimes. Each row {"ms", "tree_commit"}, or
+    {"ms": None, "error"} where the child gave none."""
+    argv = ["--impls", "triton", "--gates", ",".join(gates_of(args)),
+            "--head-dim", str(args.head_dim)]
     if args.varlen:
-        cmd += ["--varlen", args.varlen, "--heads", str(args.heads)]
+        argv += ["--varlen", args.varlen, "--heads", str(args.heads)]
     elif args.shapes:
-        cmd += ["--shapes", args.shapes]
-    paths = [os.getcwd(), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    try:
-        with open(out) as f:
-            records = json.load(f)
-        os.remove(out)
-    except (OSError, ValueError):
-        records = []
-    commit = _tree_commit(path)
+        argv += ["--shapes", args.shapes]
+    records, stderr = run_tree(path, module, argv)
     timed = {(r["gates"], r["B"], r["T"], r["H"]): r for r in records}
+    commit = tree_commit(path)
     rows = []
     for gates, b, t, h, _ in cases:
         r = timed.get((gates, b, t, h))
         if r is not None and r.get("ms"):
             rows.append({"ms": r["ms"], "tree_commit": commit})
         else:
-            why = (r or {}).get("error") or (proc.stderr or "no row")[-400:]
+            why = (r or {}).get("error") or stderr or "no row"
             rows.append({"ms": None, "error": why, "tree_commit": commit})
     return rows
-
-
-def _tree_commit(path: str):
-    """The commit a TREE directory names (its basename when that is a hex revision)."""
-    name = os.path.basename(os.path.normpath(path))
-    return name if re.fullmatch(r"[0-9a-f]{7,40}", name) else None
 
 
 def _agreement(impl, i, timer, references, results, scratch, n_impls):

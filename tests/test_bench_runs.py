@@ -119,3 +119,57 @@ def test_decode_rounds_alternate_with_the_child(fake_child, monkeypatch, tmp_pat
     assert all(r["versions"]["torch"] == "t" for r in rows)
     kda = [r for r in rows if r["implementation"].startswith("kda_jax")]
     assert all(r["ratio_to_fla"] == pytest.approx(r["ms"] / 2.0) for r in kda)
+
+
+def test_harness_peers_off_and_a_child_that_fails(fake_child, tmp_path):
+    from bench import harness
+
+    off = harness.Peers(enabled=False)
+    assert [r["ms"] for r in off.rows({"job": "decode"})] == [None]
+    assert "unavailable" in next(off.rows({"job": "decode"}))
+    with harness.Peers(fake_child) as peers:
+        assert [r["form"] for r in peers.rows({"job": "decode", "forms": ["dense"]})] == ["dense"]
+        assert peers.versions == {"torch": "t", "fla": "f"}
+        died = list(peers.rows({"job": "die"}))
+        assert died[0]["ms"] is None and "CUDA error" in died[0]["error"]
+        assert peers.child is None  # started again by the next job
+        assert [r["form"] for r in peers.rows({"job": "decode", "forms": ["pool"]})] == ["pool"]
+
+
+def test_harness_results_are_written_after_every_row(tmp_path):
+    from bench import harness
+
+    path = tmp_path / "r.json"
+    results = harness.Results("bench.decode", ["--sizes", "2"], str(path), heads=2)
+    results.add({"ms": 1.0})
+    assert [r["ms"] for r in json.loads(path.read_text())] == [1.0]
+    results.add({"ms": 2.0}, {"ms": None})
+    rows = json.loads(path.read_text())
+    assert [r["ms"] for r in rows] == [1.0, 2.0, None]
+    assert all(r["heads"] == 2 and r["command"] == "python -m bench.decode --sizes 2"
+               for r in rows)
+
+
+def test_a_tree_row_reruns_the_module_with_the_same_options(tmp_path, monkeypatch):
+    from bench import harness
+
+    tree = tmp_path / "0123abc"
+    (tree / "kda_jax").mkdir(parents=True)
+    (tree / "kda_jax" / "__init__.py").write_text("")
+    seen = {}
+
+    def child(path, module, argv):
+        seen.update(path=path, module=module, argv=argv)
+        return [{"implementation": "kda_jax triton host batch", "ms": 1.5}], ""
+
+    monkeypatch.setattr(harness, "tree_rows", child)
+    rows = harness.tree_rows_of(str(tree), "bench.decode",
+                                ["--sizes", "2", "--json", "x.json", f"--tree={tree}",
+                                 "--rounds", "3", "--iters", "1"])
+    assert seen["argv"] == ["--sizes", "2", "--iters", "1", "--no-fla"]
+    assert rows == [{"implementation": f"tree:{tree} kda_jax triton host batch", "ms": 1.5}]
+    monkeypatch.setattr(harness, "tree_rows", lambda *a: ([], "ImportError: PoolRows"))
+    (row,) = harness.tree_rows_of(str(tree), "bench.decode", [])
+    assert row["ms"] is None and "PoolRows" in row["error"] and row["tree_commit"] == "0123abc"
+    with pytest.raises(SystemExit):
+        decode.main(["--tree", str(tmp_path / "missing"), "--no-fla"])

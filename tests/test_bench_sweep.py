@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import sweep
+from bench import harness, sweep
 
 
 def _args(tmp_path, impls="triton,fla", gates="mild"):
@@ -164,9 +164,9 @@ def test_peer_stream_builds_the_job_and_reads_the_child(monkeypatch, capsys):
 
     Peer.messages = [{"row": {"index": 0, "ms": 1.25}},
                      {"row": {"index": 1, "ms": None, "refused": "NotImplementedError: no"}}]
-    monkeypatch.setattr(sweep, "FlaPeer", Peer)
+    monkeypatch.setattr(harness, "FlaPeer", lambda argv=None: Peer())
     cases = [("safe", 1, 64, 2, None), ("layer", 1, 64, 2, np.array([0, 1, 64]))]
-    child = sweep.Child()
+    child = harness.Peers()
     got = list(sweep.peer_stream(child, cases, 16, 16, "backward", "cudnn"))
     assert got == [(0, {"index": 0, "ms": 1.25}),
                    (1, {"index": 1, "ms": None, "refused": "NotImplementedError: no"})]
@@ -174,20 +174,20 @@ def test_peer_stream_builds_the_job_and_reads_the_child(monkeypatch, capsys):
 
     def dies(self, job):
         yield {"row": {"index": 0, "ms": 2.0}}
-        raise sweep.FlaUnavailable("the fla child died: OutOfMemoryError: CUDA")
+        raise harness.PeerUnavailable("the fla child died: OutOfMemoryError: CUDA")
 
     monkeypatch.setattr(Peer, "run", dies)
     got = list(sweep.peer_stream(child, cases, 16, 16, "backward", "cudnn"))
     assert got[0] == (0, {"index": 0, "ms": 2.0})
     assert got[1][0] == 1 and got[1][1]["ms"] is None and "OutOfMemoryError" in got[1][1]["error"]
-    assert child.peer is None  # started again by the next peer
+    assert child.child is None  # started again by the next peer
     assert "OutOfMemoryError: CUDA" in capsys.readouterr().err
 
-    def no_child():
-        raise sweep.FlaUnavailable("the fla child did not start: No module named 'torch'")
+    def no_child(argv=None):
+        raise harness.PeerUnavailable("the fla child did not start: No module named 'torch'")
 
-    monkeypatch.setattr(sweep, "FlaPeer", no_child)
-    got = list(sweep.peer_stream(sweep.Child(), cases, 16, 16, "forward", "fla"))
+    monkeypatch.setattr(harness, "FlaPeer", no_child)
+    got = list(sweep.peer_stream(harness.Peers(), cases, 16, 16, "forward", "fla"))
     assert [i for i, _ in got] == [0, 1]
     assert all(r["ms"] is None and "torch" in r["unavailable"] for _, r in got)
 

@@ -1,5 +1,5 @@
 """A 16-bit state pool over a long decode against a float32 pool
-(bench/pool_drift.py; recorded in bench/results/pool16-drift.json): every
+(bench/diagnostics/pool_drift.py; recorded in bench/results/pool16-drift.json): every
 step's o within the pool dtype's tolerance of the float32 pool's o, the final
 states too, and no growth of the difference over the steps.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pool_drift import drift
+from bench.diagnostics.pool_drift import drift
 from kda_jax.testing import TOLERANCES
 from kda_jax.triton import interpret_mode, unavailable_reason
 

@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Callable
 
-from bench import meta as run_meta
+from bench.harness import Results
 
 
 def run_grid(base, changes, measure: Callable, shape) -> list[dict]:
@@ -34,7 +34,7 @@ def run_grid(base, changes, measure: Callable, shape) -> list[dict]:
 
 def write_records(path: str | None, module: str, argv, records: list[dict]):
     """The run's JSON: one row per record, each with the run's metadata (bench.meta)."""
-    run_meta.write_rows(path, run_meta.stamp(records, run_meta.run_metadata(module, argv)))
+    Results(module, argv, path).add(*records)
 
 
 def parse_grid_args(doc: str, grids: dict, default: str, argv):

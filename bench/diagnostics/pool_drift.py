@@ -1,6 +1,6 @@
 """Drift of a 16-bit state pool over a long decode, against a float32 pool.
 
-    python -m bench.pool_drift [--steps 4096] [--seqs 4] [--heads 2] [--head-dim 32]
+    python -m bench.diagnostics.pool_drift [--steps 4096] [--seqs 4] [--heads 2] [--head-dim 32]
         [--implementation xla] [--json bench/results/pool16-drift.json]
 
 N sequences decode one token per step from zero states held in a pool of
@@ -30,7 +30,7 @@ import numpy as np
 
 import kda_jax
 from bench.inputs import make_gated, options
-from bench.meta import run_metadata, stamp, write_rows
+from bench.harness import Results
 from kda_jax.testing import rel_rms
 
 DTYPES = ("bfloat16", "float16")
@@ -89,7 +89,7 @@ def drift(steps=4096, seqs=4, heads=2, head_dim=32, impl="xla", dtypes=DTYPES, s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.pool_drift",
+    p = argparse.ArgumentParser(prog="python -m bench.diagnostics.pool_drift",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4096)
     p.add_argument("--seqs", type=int, default=4)
@@ -103,10 +103,9 @@ def main(argv=None) -> int:
         print(f"{r['pool_dtype']:9} o rel_rms max {r['o_rel_rms_max']:.3e} (step "
               f"{r['o_rel_rms_max_step']}), final {r['o_rel_rms_final']:.3e}; state rel_rms "
               f"{r['state_rel_rms']:.3e}")
-    meta = run_metadata("bench.pool_drift", argv)
-    meta["measured"] = (f"numerics, not timing ({jax.default_backend().upper()}, "
-                        f"{args.implementation} path)")
-    write_rows(args.json, stamp(rows, meta))
+    measured = (f"numerics, not timing ({jax.default_backend().upper()}, "
+                f"{args.implementation} path)")
+    Results("bench.diagnostics.pool_drift", argv, args.json, measured=measured).add(*rows)
     return 0
 
 

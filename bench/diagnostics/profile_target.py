@@ -1,7 +1,7 @@
 """The program `bash bench/run_gpu.sh profile` runs under Nsight Compute: chunk_kda on
 bench.inputs at one shape, jitted, called a few times (the first call compiles).
 
-    python -m bench.profile_target B,T,H [--backward] [--calls N] [--impls triton,triton:F=V]
+    python -m bench.diagnostics.profile_target B,T,H [--backward] [--calls N] [--impls triton,triton:F=V]
         [--gates REGIME]
 
 With several --impls (bench.sweep's names: "triton", "triton:FIELD=VALUE", ...) each is

@@ -3,7 +3,7 @@ chunk_kda (dq ... dh0, dA_log, ddt_bias) against autodiff of the float32 referen
 fla's KDA gate grid (kda_jax.testing.GATE_PARAM_GRID), for each implementation or config
 variant, in one process.
 
-    python -m bench.gate_precision [--impls triton,triton:backward.FIELD=VALUE+...]
+    python -m bench.diagnostics.gate_precision [--impls triton,triton:backward.FIELD=VALUE+...]
                                    [--small] [--json PATH]
 
 The loss is the gate-grid test's, testing.weighted_loss: sum(o * w_o) + sum(final_state *
@@ -25,7 +25,7 @@ import numpy as np
 
 import kda_jax
 from bench import sweep
-from bench.meta import run_metadata, stamp, write_rows
+from bench.harness import Results
 from kda_jax import testing
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -73,8 +73,7 @@ def main(argv=None):
     for impl in impls:  # a bad variant fails here, before anything runs
         sweep.implementation(impl)
     grid = testing.GATE_PARAM_GRID_SMALL if args.small else testing.GATE_PARAM_GRID
-    rows = run(impls, grid)
-    write_rows(args.json, stamp(rows, run_metadata("bench.gate_precision", argv)))
+    Results("bench.diagnostics.gate_precision", argv, args.json).add(*run(impls, grid))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 --csv --print-source sass`): per kernel, the executed instructions by opcode, the stall
 reasons, and the instructions with the most stall samples with their main reasons.
 
-    python -m bench.stalls profile-sass.csv [--top 20]
+    python -m bench.diagnostics.stalls profile-sass.csv [--top 20]
 """
 
 from __future__ import annotations

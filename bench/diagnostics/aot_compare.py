@@ -1,6 +1,6 @@
 """Before/after of two AOT reports (``python -m bench.aot``) per kernel and target.
 
-    python -m bench.aot_compare BEFORE AFTER [--targets gfx950,gfx1250,gfx942]
+    python -m bench.diagnostics.aot_compare BEFORE AFTER [--targets gfx950,gfx1250,gfx942]
         [--spec main/c64/default] [--json bench/results/aot-amd-before-after.json]
 
 BEFORE and AFTER are files written by ``bench.aot --summary`` or ``--json``, or
@@ -96,7 +96,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.aot_compare",
+    parser = argparse.ArgumentParser(prog="python -m bench.diagnostics.aot_compare",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="AOT summary or report: a path or REV:PATH")
     parser.add_argument("after", help="AOT summary or report: a path or REV:PATH")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     print(table(rows))
     write_rows(args.json, stamp(rows, {"before_source": args.before,
                                        "after_source": args.after,
-                                       **run_metadata("bench.aot_compare", argv)}))
+                                       **run_metadata("bench.diagnostics.aot_compare", argv)}))
     return 0
 
 

@@ -1,0 +1,11 @@
+"""Diagnostics beside the benchmarks: they measure why, not how fast.
+
+- ``profile_target``: one chunk_kda call (and its gradient) for Nsight Compute to profile;
+- ``stalls``: Nsight Compute's warp-stall samples per SASS instruction, summarised;
+- ``gate_precision``: every gradient's error against the float32 reference at fla's gate grid;
+- ``pool_drift``: a 16-bit state pool's drift over many decode steps;
+- ``aot_compare``: two source trees' AOT reports, kernel by kernel.
+
+Their tests carry the ``diagnostics`` marker, outside the default test run
+(``python -m pytest -m diagnostics`` runs them).
+"""
