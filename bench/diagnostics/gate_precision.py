@@ -37,7 +37,9 @@ def gradients(fn, arrays, w_o, w_f, call_kw, out_dtype=None):
     return jax.jit(jax.grad(loss))(arrays)
 
 
-def run(impls, grid) -> list[dict]:
+def run(impls, grid, add=None) -> list[dict]:
+    """The rows of every (case, implementation), each passed to ``add`` as it lands (a run
+    cut short keeps what it measured)."""
     rows = []
     for case in grid:
         b, t, h, kd, dtype, normalizer, l2norm = case
@@ -56,6 +58,8 @@ def run(impls, grid) -> list[dict]:
             errors = {f"d{n}": testing.rel_rms(np.asarray(got[n], np.float32),
                                                np.asarray(ref[n], np.float32)) for n in NAMES}
             rows.append(dict(case=label, implementation=impl, **errors))
+            if add is not None:
+                add(rows[-1])
             print(f"{label:34} {impl:60.60} "
                   + " ".join(f"{n}={e:.2e}" for n, e in errors.items()), flush=True)
     return rows
@@ -73,7 +77,7 @@ def main(argv=None):
     for impl in impls:  # a bad variant fails here, before anything runs
         sweep.implementation(impl)
     grid = testing.GATE_PARAM_GRID_SMALL if args.small else testing.GATE_PARAM_GRID
-    Results("bench.diagnostics.gate_precision", argv, args.json).add(*run(impls, grid))
+    run(impls, grid, Results("bench.diagnostics.gate_precision", argv, args.json).add)
 
 
 if __name__ == "__main__":
