@@ -459,3 +459,56 @@ def test_normalized_qk_in_the_input_dtype(dtype, sixteen_bit_intermediates):
 def test_normalized_qk_config_names_its_values():
     with pytest.raises(ValueError, match="normalized_qk='bf16'.*'fp32', 'input'"):
         dataclasses.replace(configs.backward_config("sm90"), normalized_qk="bf16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transform_residuals_recomputed(dtype):
+    """BackwardConfig.transform_residuals="recompute": the input transforms'
+    gradient recomputes them from the raw inputs instead of keeping autodiff's
+    residuals across the kernels. The same gradients as "saved" (float32
+    rounding), with the layer's transforms on and hostile entries (a NaN in k,
+    +inf in the raw gate, a NaN in beta) that the zeroing must handle; and the
+    residuals are the raw inputs alone."""
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton import backward
+
+    B, T, H, K = 1, 70, 2, 16
+    arrays, w_o, w_f = testing.gate_param_inputs(5, B, T, H, K, jnp.dtype(dtype), 10.0, True)
+    arrays = dict(arrays, k=arrays["k"].at[0, 9, 1, 3].set(jnp.nan),
+                  g=arrays["g"].at[0, 30, 0, 5].set(jnp.inf),
+                  beta=arrays["beta"].at[0, 50, 1].set(jnp.nan))
+    call_kw = dict(scale=0.1, use_gate_in_kernel=True, A_log=True, dt_bias=True,
+                   use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    fast = functools.partial(kda_jax.chunk_kda, implementation="triton")
+    base = configs.backward_config()
+    got, remat = {}, {}
+    for form in ("saved", "recompute"):
+        with configs.override(configs.replace(base, {"transform_residuals": form})):
+            grad = jax.grad(_loss(fast, arrays, call_kw, w_o, w_f))
+            got[form] = jax.jit(grad)({n: arrays[n] for n in GATE})
+            text = str(jax.make_jaxpr(grad)({n: arrays[n] for n in GATE}))
+            remat[form] = "remat" in text or "checkpoint" in text  # the primitive's names
+    assert remat == {"saved": False, "recompute": True}  # the config reaches the backward
+    for n in GATE:
+        a, b = np.asarray(got["recompute"][n], np.float64), np.asarray(got["saved"][n], np.float64)
+        assert np.array_equal(np.isnan(a), np.isnan(b)), f"d{n}: NaN entries differ"
+        assert np.isnan(a).sum() < a.size, f"d{n}: all NaN"
+        ok = ~np.isnan(a)
+        assert _rel_rms(a[ok], b[ok]) < 1e-6, f"d{n}: {_rel_rms(a[ok], b[ok]):.2e}"
+
+    opts = KdaOptions(scale=0.1, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                      use_beta_sigmoid_in_kernel=True)
+    flat = [arrays[n].reshape((T,) + arrays[n].shape[2:]) for n in ("q", "k", "v", "g", "beta")]
+    params = (arrays["A_log"], arrays["dt_bias"])
+    for recompute, most in ((False, None), (True, 5)):
+        _, vjp = backward._vjp_with_flags(opts, *flat, *params, recompute=recompute)
+        big = [x for x in jax.tree_util.tree_leaves(vjp) if getattr(x, "size", 0) >= T * H * K]
+        if most is None:
+            assert len(big) > 5  # autodiff keeps the transforms' intermediates
+        else:
+            assert len(big) <= most, [x.dtype for x in big]  # q, k, v, g (and beta)
+
+
+def test_transform_residuals_config_names_its_values():
+    with pytest.raises(ValueError, match="transform_residuals='none'.*'saved', 'recompute'"):
+        dataclasses.replace(configs.backward_config("sm90"), transform_residuals="none")

@@ -35,6 +35,9 @@ CHUNK_STATES = ("fp32", "work")
 # BackwardConfig.normalized_qk: the in-kernel L2-normalized q, k reach the
 # backward's kernels in float32, or rounded to the caller's 16-bit dtype.
 NORMALIZED_QK = ("fp32", "input")
+# BackwardConfig.transform_residuals: what the input transforms keep for their
+# gradient, which runs after the backward's kernels.
+TRANSFORM_RESIDUALS = ("saved", "recompute")
 
 
 def _fail(owner: str, name: str, value, must: str):
@@ -423,6 +426,14 @@ class BackwardConfig:
       float32 either way; the forward keeps its float32 norm in the kernel,
       so the gradient is that of q, k rounded after the norm (fla rounds them
       in both passes).
+    transform_residuals: the input transforms (the non-finite zeroing, and
+      the in-kernel L2 norm, gate and beta sigmoid where asked) run in XLA
+      before the backward's kernels, their gradient after them. "saved":
+      autodiff keeps its residuals across the kernels (with every transform
+      on, 24 arrays of [T, HV, K], 72 bytes per entry, written and read
+      back); "recompute": only the raw inputs are kept and the gradient's
+      pass recomputes the transforms from them (jax.checkpoint), in the
+      fusions that apply the cotangents.
     """
 
     recompute: Mapping[str, PrepareConfig]
@@ -435,6 +446,7 @@ class BackwardConfig:
     gate_fp32_max_k: int
     chunk_states: str = "fp32"
     normalized_qk: str = "fp32"
+    transform_residuals: str = "saved"
 
     def __post_init__(self):
         owner = "BackwardConfig"
@@ -460,6 +472,9 @@ class BackwardConfig:
         if self.normalized_qk not in NORMALIZED_QK:
             _fail(owner, "normalized_qk", self.normalized_qk,
                   f"must be one of {', '.join(map(repr, NORMALIZED_QK))}")
+        if self.transform_residuals not in TRANSFORM_RESIDUALS:
+            _fail(owner, "transform_residuals", self.transform_residuals,
+                  f"must be one of {', '.join(map(repr, TRANSFORM_RESIDUALS))}")
 
 
 RECURRENT_VARIANTS = ("dense", "varlen", "wide")

@@ -427,7 +427,8 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
     flat = lambda x: x.reshape((tokens,) + x.shape[2:])
 
     (tq, tk, tv, tg, tb, poison, q_bad), transform_vjp = _vjp_with_flags(
-        opts, flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias)
+        opts, flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias,
+        recompute=bwd_config.transform_residuals == "recompute")
     # The forward's NaN outputs and states are constants: no cotangent
     # reaches the clean computation through them.
     rows, finals = _poisoned(poison, q_bad, bounds)
@@ -466,13 +467,20 @@ def _kernel_qk(q, k, q_dtype, k_dtype, opts: KdaOptions, config: BackwardConfig)
     return rounded(q, q_dtype), rounded(k, k_dtype)
 
 
-def _vjp_with_flags(opts, q, k, v, g, beta, A_log, dt_bias):
-    """jax.vjp of :func:`_transform`, the boolean flags as auxiliary outputs."""
+def _vjp_with_flags(opts, q, k, v, g, beta, A_log, dt_bias, *, recompute: bool = False):
+    """jax.vjp of :func:`_transform`, the boolean flags as auxiliary outputs.
+    ``recompute``: the vjp keeps the raw inputs only and recomputes the
+    transforms in its pass (BackwardConfig.transform_residuals): XLA keeps a
+    transcendental with several consumers as an array, so autodiff's own
+    residuals cross the backward's kernels through memory."""
     fn = _transform(opts)
 
     def split(*args):
         *values, poison, q_bad = fn(*args)
         return tuple(values), (poison, q_bad)
+
+    if recompute:
+        split = jax.checkpoint(split)
 
     values, vjp, (poison, q_bad) = jax.vjp(split, q, k, v, g, beta, A_log, dt_bias,
                                            has_aux=True)
