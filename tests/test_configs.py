@@ -240,6 +240,25 @@ def test_decode_v_block_with_loaded_bounds(kd, uniform_len, bv):
     assert c["BV"] == bv and c["UNIFORM"] == (uniform_len is not None)
 
 
+@pytest.mark.parametrize("cast, interpreted, native", [
+    ("bits", False, False), ("native", False, True),
+    ("native", True, False),  # the interpreter's conversion truncates: always on the bits
+])
+def test_decode_state_cast(cast, interpreted, native, monkeypatch):
+    from kda_jax.options import KdaOptions
+    from kda_jax.triton import recurrent
+
+    monkeypatch.setattr(recurrent, "interpret_mode", lambda: interpreted)
+    config = configs.RecurrentConfig(decode={k: configs.DecodeConfig(32, 2, 2, state_cast=cast)
+                                             for k in ("dense", "varlen", "wide")})
+    c = recurrent.recurrent_constexprs(h=2, hv=2, kd=128, vd=128, opts=KdaOptions(scale=0.1),
+                                       config=config, has_a_log=False, has_dt_bias=False,
+                                       has_initial_state=True, indexed_state=True)
+    assert c["NATIVE_CAST"] is native
+    with pytest.raises(ValueError, match="state_cast='rtz'.*'bits', 'native'"):
+        configs.DecodeConfig(32, 2, 2, state_cast="rtz")
+
+
 @pytest.mark.parametrize("work, expected", [("bfloat16", "tf32"), ("float32", "tf32x3")])
 def test_float32_inputs_merge_the_inverse_at_fp32_dot(work, expected):
     """A tf32 merge is a 16-bit inputs' choice: float32 inputs take their own

@@ -35,6 +35,9 @@ CHUNK_STATES = ("fp32", "work")
 # BackwardConfig.normalized_qk: the in-kernel L2-normalized q, k reach the
 # backward's kernels in float32, or rounded to the caller's 16-bit dtype.
 NORMALIZED_QK = ("fp32", "input")
+# DecodeConfig.state_cast: a 16-bit pool row's rounding, on the bits or by the
+# conversion instruction.
+STATE_CASTS = ("bits", "native")
 # BackwardConfig.transform_residuals: what the input transforms keep for their
 # gradient, which runs after the backward's kernels.
 TRANSFORM_RESIDUALS = ("saved", "recompute")
@@ -225,17 +228,25 @@ class DecodeConfig:
     its V block (its state tile [K (padded), block_v] float32 in registers),
     num_warps, and num_stages, which is also the software-pipelining depth
     of the token loop (its next token's loads issued before this token's
-    update)."""
+    update). ``state_cast``: how a 16-bit pool's rows get the float32 state,
+    rounded to nearest even either way: "bits", the rounding written out on
+    the bits; "native", the conversion instruction (a quarter of the
+    kernel's instructions fewer at a bf16 pool on sm90). Triton's interpreter
+    truncates in its conversion, so it always runs "bits"."""
 
     block_v: int
     warps: int
     stages: int
+    state_cast: str = "bits"
 
     def __post_init__(self):
         owner = "DecodeConfig"
         _check_int(owner, "block_v", self.block_v, power_of_two_from=8)
         _check_int(owner, "warps", self.warps, _WARPS)
         _check_int(owner, "stages", self.stages, minimum=1)
+        if self.state_cast not in STATE_CASTS:
+            _fail(owner, "state_cast", self.state_cast,
+                  f"must be one of {', '.join(map(repr, STATE_CASTS))}")
 
 
 # --------------------------------------------------------------------------- #

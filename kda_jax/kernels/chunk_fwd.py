@@ -514,7 +514,7 @@ def store_checkpoint(p_hc, b_h, ckpt_idx, ckpt_cols, slots, i_n, i_hv, i_c, n_ch
             else:
                 i_r = tl.load(ckpt_idx + i_n) + i_j
             store_state_row(p_hc, b_h, i_r, slots, i_hv, o_s, m_kv, HV, K, V, True,
-                            INDEXED_STATE)
+                            INDEXED_STATE, False)
 
 
 @triton.jit

@@ -21,6 +21,9 @@ with UNIFORM (host bounds whose sequences all have SEQ_LEN tokens, e.g. a decode
 step of one token each) sequence n spans [n * SEQ_LEN, (n + 1) * SEQ_LEN) and no
 bound is loaded: the loads of a program's tokens then wait on nothing.
 LOOP_STAGES is the token loop's software-pipelining depth (tl.range).
+NATIVE_CAST: a 16-bit pool row gets the float32 state through the conversion
+instruction, else through the rounding written out on the bits (state_io;
+the same values, round to nearest even).
 Programs i_n < n_seqs are sequences; a program i_n == n_seqs (launched for a
 bucketed batch only) writes o = 0 on the token rows [cu_seqlens[n_seqs],
 n_tokens), which belong to no sequence.
@@ -95,6 +98,7 @@ def kda_fused_recurrent_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr, WRITE_COLUMNS: tl.constexpr,
     UNIFORM: tl.constexpr, SEQ_LEN: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    NATIVE_CAST: tl.constexpr,
 ):
     # V blocks first: the programs that share a state's rows run together.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -111,7 +115,7 @@ def kda_fused_recurrent_kernel(
             o, ht, i_n, i_hv, bos, eos, o_v, m_v, H, HV, K, V, BK, BV, SCALE, USE_L2NORM,
             USE_GATE, HAS_A_LOG, HAS_DT_BIAS, HAS_LOWER_BOUND, LOWER_BOUND, BETA_SIGMOID,
             BETA_SCALE, USE_INITIAL_STATE, STORE_FINAL_STATE, STATE_V_FIRST, INDEXED_STATE,
-            WRITE_COLUMNS, UNIFORM, SEQ_LEN, LOOP_STAGES)
+            WRITE_COLUMNS, UNIFORM, SEQ_LEN, LOOP_STAGES, NATIVE_CAST)
     else:
         # The tail program of a bucketed batch: o = 0 on rows [bos, n_tokens).
         store_zero_rows(o, bos, n_tokens, i_hv, o_v, m_v, HV, V, TAIL_ROWS, BV)
@@ -129,6 +133,7 @@ def _recurrent_sequence(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, INDEXED_STATE: tl.constexpr, WRITE_COLUMNS: tl.constexpr,
     UNIFORM: tl.constexpr, SEQ_LEN: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    NATIVE_CAST: tl.constexpr,
 ):
     """Sequence i_n's tokens in order (kda_fused_recurrent_kernel's body)."""
     i_h = i_hv // (HV // H)
@@ -224,7 +229,7 @@ def _recurrent_sequence(
             if i_t < WRITE_COLUMNS:
                 i_wt = tl.load(write_idx + i_n * WRITE_COLUMNS + i_t)
                 store_state_row(ht, b_h, i_wt, slots, i_hv, o_s, m_kv, HV, K, V, True,
-                                INDEXED_STATE)
+                                INDEXED_STATE, NATIVE_CAST)
 
         p_q += H * K
         p_k += H * K
@@ -235,4 +240,4 @@ def _recurrent_sequence(
         p_vr += HV * V
 
     store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
-                    INDEXED_STATE)
+                    INDEXED_STATE, NATIVE_CAST)

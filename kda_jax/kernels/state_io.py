@@ -65,13 +65,14 @@ def load_state(h0, read_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexpr, K: t
 
 
 @triton.jit
-def _rounded(b_h, DT: tl.constexpr):
+def _rounded(b_h, DT: tl.constexpr, NATIVE_CAST: tl.constexpr):
     """The float32 tile b_h in the state buffer's dtype DT, rounded to nearest
-    even. For bfloat16 the rounding is written out on the bits (NaN kept
-    NaN), since Triton's interpreter truncates in its float32 -> bfloat16
-    cast: the same bits on every backend as XLA's rounding of a float32
-    state."""
-    if DT == tl.bfloat16:
+    even. For bfloat16 without NATIVE_CAST the rounding is written out on the
+    bits (NaN kept NaN), since Triton's interpreter truncates in its float32 ->
+    bfloat16 cast: the same bits on every backend as XLA's rounding of a
+    float32 state. Compiled, the conversion rounds the same way in one
+    instruction per pair."""
+    if DT == tl.bfloat16 and not NATIVE_CAST:
         b_u = b_h.to(tl.uint32, bitcast=True)
         b_u = b_u + ((b_u >> 16) & 1) + 0x7FFF
         b_r = (b_u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -83,13 +84,13 @@ def _rounded(b_h, DT: tl.constexpr):
 @triton.jit
 def store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV: tl.constexpr, K: tl.constexpr,
                     V: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                    INDEXED_STATE: tl.constexpr):
+                    INDEXED_STATE: tl.constexpr, NATIVE_CAST: tl.constexpr):
     """The final state tile into row ``i_w``, already known: a pool row loaded
     at the program's start (written only inside [0, slots)), or the sequence.
     A 16-bit pool gets the float32 tile rounded once, to nearest even
-    (_rounded)."""
+    (_rounded; NATIVE_CAST: by the conversion instruction)."""
     if STORE_FINAL_STATE:
-        b_s = _rounded(b_h, ht.dtype.element_ty)
+        b_s = _rounded(b_h, ht.dtype.element_ty, NATIVE_CAST)
         if INDEXED_STATE:
             if (i_w >= 0) & (i_w < slots):
                 p_ht = ht + (i_w.to(tl.int64) * HV + i_hv) * K * V
@@ -109,4 +110,4 @@ def store_state(ht, b_h, write_idx, slots, i_n, i_hv, o_s, m_kv, HV: tl.constexp
         if INDEXED_STATE:
             i_w = tl.load(write_idx + i_n)
         store_state_row(ht, b_h, i_w, slots, i_hv, o_s, m_kv, HV, K, V, STORE_FINAL_STATE,
-                        INDEXED_STATE)
+                        INDEXED_STATE, False)

@@ -20,7 +20,8 @@ from kda_jax.configs import DecodeConfig, RecurrentConfig
 from kda_jax.options import KdaOptions
 from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, ROWS, STATE, foldable
 from kda_jax.triton.forward_only import forward_only, not_differentiable
-from kda_jax.triton.launch import KernelLaunch, launch_kernel, stand_in, transform_constexprs
+from kda_jax.triton.launch import (KernelLaunch, interpret_mode, launch_kernel, stand_in,
+                                   transform_constexprs)
 from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton.state_args import kernel_states
 
@@ -57,6 +58,8 @@ def recurrent_constexprs(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
         UNIFORM=uniform_len is not None,
         SEQ_LEN=uniform_len or 0,
         LOOP_STAGES=dc.stages,
+        # The interpreter's float32 -> bfloat16 conversion truncates (DecodeConfig).
+        NATIVE_CAST=dc.state_cast == "native" and not interpret_mode(),
     )
 
 
