@@ -157,7 +157,10 @@ def run(a, peers, results):
     def fla_rows(n, forms, syncs=True, iters=None):
         job = dict(job="decode", n=n, heads=a.heads, head_dim=a.head_dim, forms=list(forms),
                    drafts=a.drafts, iters=iters or a.iters, repeats=a.repeats, syncs=syncs)
-        return list(peers.rows(job))
+        rows = list(peers.rows(job))
+        if peers.child is None and any("unavailable" in r for r in rows):
+            peers.enabled = False  # fla is not here: not started again at the next size
+        return rows
 
     for n in a.sizes:
         step = f"decode N={n}"
@@ -179,12 +182,14 @@ def run(a, peers, results):
             fla_ms = peer.get(form)
             row["ratio_to_fla"] = row["ms"] / fla_ms if row.get("ms") and fla_ms else None
             results.add(row)
-        if n == a.sizes[0] and a.rounds and peer and all(peer.values()):
-            results.add(*rounds_rows(a, n, steps, fla_rows))
+        if n == a.sizes[0] and a.rounds and all(peer.get(f) for f in ROUND_STEP):
+            results.add(*rounds_rows(a, n, steps, fla_rows, step))
 
 
-def rounds_rows(a, n, steps, fla_rows) -> list[dict]:
-    rounds = []
+def rounds_rows(a, n, steps, fla_rows, step) -> list[dict]:
+    """The alternating rounds' rows: per form, the medians over the rounds that finished;
+    where fla's child fails, its row (which says why) and the rounds before it."""
+    rounds, failed = [], []
     for r in range(a.rounds):
         for form in ROUND_STEP:
             times = {}
@@ -192,14 +197,18 @@ def rounds_rows(a, n, steps, fla_rows) -> list[dict]:
                 if side == "kda_jax":
                     times[side] = kda_ms(steps, form, ROUND_STEP[form], a.iters, a.repeats)[0]
                 else:
-                    times[side] = fla_rows(n, [form], syncs=False)[0]["ms"]
-            if not times["fla"]:  # the child failed: its rows say why, no rounds are made up
-                return []
+                    row = fla_rows(n, [form], syncs=False)[0]
+                    times[side] = row.get("ms")
+            if not times["fla"]:
+                failed.append(dict(row, step=step, implementation=f"fla {form}, round {r}"))
+                break
             rounds.append(dict(round=r, form=form, first=round_order(r)[0],
                                kda_jax_ms=times["kda_jax"], fla_ms=times["fla"]))
             print(f"round {r} {form:6s} kda_jax {times['kda_jax']:.4f} ms  fla "
                   f"{times['fla']:.4f} ms  ratio {times['kda_jax'] / times['fla']:.3f}", flush=True)
-    return [dict(step=f"decode N={n}", form=form, implementation=f"rounds: kda_jax "
+        if failed:
+            break
+    return failed + [dict(step=f"decode N={n}", form=form, implementation=f"rounds: kda_jax "
                  f"{ROUND_STEP[form]} / fla {form}", ms=s["kda_jax_ms"], fla_ms=s["fla_ms"],
                  ratio_to_fla=s["ratio_median"], ratio_min=s["ratio_min"],
                  ratio_max=s["ratio_max"], rounds=s["rounds"],
@@ -215,12 +224,14 @@ def print_table(rows):
         ratio = f"{r['ratio_to_fla']:.3f}" if r.get("ratio_to_fla") else ""
         if "ratio_min" in r:
             ratio += f" ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
-        note = f"  ({r['error']})" if r.get("error") else ""
-        print(f"{r['step']:<14} {r['implementation']:<52} {ms:>9} {host:>8} {ratio:>7}{note}")
+        why = r.get("error") or r.get("unavailable")
+        note = f"  ({why})" if why else ""
+        print(f"{r.get('step', ''):<14} {r['implementation']:<52} {ms:>9} {host:>8} {ratio:>7}{note}")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # No abbreviations: --tree reruns this command line less its own options (harness).
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--sizes", default="256,1024", help="comma-separated N")
     p.add_argument("--drafts", type=int, default=3, help="S of the verify rows")
     p.add_argument("--rounds", type=int, default=0,
@@ -238,8 +249,9 @@ def main(argv=None):
                           head_dim=a.head_dim, dtype="bfloat16", iters=a.iters,
                           repeats=a.repeats)
         run(a, peers, results)
+        peers.close()  # its memory, before a tree's process
         for path in a.tree:
-            results.add(*tree_rows_of(path, "bench.decode", argv))
+            results.add(*tree_rows_of(path, "bench.decode", argv, step="tree"))
     print_table(results.rows)
     return 0
 

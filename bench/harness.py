@@ -131,11 +131,12 @@ def check_tree(path: str):
                          "with `git archive REV kda_jax | tar -x -C PATH`)")
 
 
-def tree_rows(path: str, module: str, argv: list[str]) -> tuple[list[dict], str]:
+def tree_rows(path: str, module: str, argv: list[str]) -> tuple[list[dict], str, int]:
     """Another source tree's rows (TREE): ``python -m module *argv --json TMP`` in a child
     process with ``path`` first on sys.path (two kda_jax versions cannot share a process);
     the benchmark modules still come from this checkout. Returns the child's rows (each
-    with "tree_commit") and its stderr's tail, which says why where rows are missing."""
+    with "tree_commit"), its stderr's tail, which says why where rows are missing, and its
+    exit status (a child that fails partway leaves the rows it wrote)."""
     check_tree(path)
     fd, out = tempfile.mkstemp(suffix=".json", prefix="kda-bench-tree-")
     os.close(fd)
@@ -156,7 +157,8 @@ def tree_rows(path: str, module: str, argv: list[str]) -> tuple[list[dict], str]
         if os.path.exists(out):
             os.remove(out)
     commit = tree_commit(path)
-    return [dict(r, tree_commit=commit) for r in records], (proc.stderr or "")[-400:]
+    return ([dict(r, tree_commit=commit) for r in records], (proc.stderr or "")[-400:],
+            proc.returncode)
 
 
 def tree_commit(path: str):
@@ -183,10 +185,12 @@ def _tree_path(path: str) -> str:
 
 
 def tree_rows_of(path: str, module: str, argv, drop=("--json", "--tree", "--rounds"),
-                 label_field: str = "implementation") -> list[dict]:
+                 label_field: str = "implementation", **fields) -> list[dict]:
     """The rows of ``module`` run again with the source tree ``path`` (tree_rows): the same
-    command line less the options in ``drop``, with --no-fla. Each row's ``label_field``
-    starts with "tree:PATH"; where the child gave none, one row says why."""
+    command line less the options in ``drop`` (spelled out in full: the benchmark's parser
+    takes no abbreviations), with --no-fla. Each row's ``label_field`` starts with
+    "tree:PATH"; where the child failed (even after some rows), one more row says why,
+    with ``fields``."""
     check_tree(path)
     args, skip = [], False
     for a in sys.argv[1:] if argv is None else argv:
@@ -198,9 +202,11 @@ def tree_rows_of(path: str, module: str, argv, drop=("--json", "--tree", "--roun
             skip = "=" not in a
             continue
         args.append(a)
-    rows, stderr = tree_rows(path, module, [*args, "--no-fla"])
+    rows, stderr, status = tree_rows(path, module, [*args, "--no-fla"])
     label = TREE + path
-    if not rows:
-        return [{label_field: label, "ms": None, "error": stderr or "no row",
-                 "tree_commit": tree_commit(path)}]
-    return [dict(r, **{label_field: f"{label} {r.get(label_field, '')}".strip()}) for r in rows]
+    out = [dict(r, **{label_field: f"{label} {r.get(label_field, '')}".strip()}) for r in rows]
+    if status != 0 or not rows:
+        out.append({**fields, label_field: label, "ms": None,
+                    "error": f"exit status {status}: {stderr or 'no row'}",
+                    "tree_commit": tree_commit(path)})
+    return out

@@ -136,15 +136,17 @@ def print_table(rows):
         host = f"{r['host_ms']:.3f}" if r.get("host_ms") is not None else "-"
         comp = f"{r['compile_s']:.2f}" if r.get("compile_s") is not None else ""
         d2h = r.get("d2h_per_step", r.get("syncs_per_step", ""))
-        note = f"  ({r['error']})" if r.get("error") else ""
-        print(f"{r['step']:<22} {r['implementation']:<48} {ms:>9} {host:>8} {comp:>10} "
+        why = r.get("error") or r.get("unavailable")
+        note = f"  ({why})" if why else ""
+        print(f"{r.get('step', ''):<22} {r['implementation']:<48} {ms:>9} {host:>8} {comp:>10} "
               f"{d2h!s:>9}{note}")
     print("d2h/step: kda_jax device-to-host reads (checked: the steps run with them disallowed); "
           "fla: synchronizing calls torch reports per step")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # No abbreviations: --tree reruns this command line less its own options (harness).
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--json", default=None)
     p.add_argument("--sets", type=int, default=128, help="rotating bound sets")
     p.add_argument("--static-sets", type=int, default=16, help="sets the static form compiles")
@@ -164,9 +166,10 @@ def main(argv=None):
                           repeats=a.repeats)
         if peers.enabled:
             results.add(*fla_rows(a, sets, peers))
+            peers.close()  # its memory, before kda_jax's rows
         results.add(*kda_rows(a, sets))
         for path in a.tree:
-            results.add(*tree_rows_of(path, "bench.serving", argv))
+            results.add(*tree_rows_of(path, "bench.serving", argv, step="tree"))
     print_table(results.rows)
     return 0
 

@@ -329,7 +329,7 @@ def tree_rows(path: str, module: str, args, cases) -> list[dict]:
         argv += ["--varlen", args.varlen, "--heads", str(args.heads)]
     elif args.shapes:
         argv += ["--shapes", args.shapes]
-    records, stderr = run_tree(path, module, argv)
+    records, stderr, _ = run_tree(path, module, argv)
     timed = {(r["gates"], r["B"], r["T"], r["H"]): r for r in records}
     commit = tree_commit(path)
     rows = []

@@ -160,7 +160,7 @@ def test_a_tree_row_reruns_the_module_with_the_same_options(tmp_path, monkeypatc
 
     def child(path, module, argv):
         seen.update(path=path, module=module, argv=argv)
-        return [{"implementation": "kda_jax triton host batch", "ms": 1.5}], ""
+        return [{"implementation": "kda_jax triton host batch", "ms": 1.5}], "", 0
 
     monkeypatch.setattr(harness, "tree_rows", child)
     rows = harness.tree_rows_of(str(tree), "bench.decode",
@@ -168,8 +168,59 @@ def test_a_tree_row_reruns_the_module_with_the_same_options(tmp_path, monkeypatc
                                  "--rounds", "3", "--iters", "1"])
     assert seen["argv"] == ["--sizes", "2", "--iters", "1", "--no-fla"]
     assert rows == [{"implementation": f"tree:{tree} kda_jax triton host batch", "ms": 1.5}]
-    monkeypatch.setattr(harness, "tree_rows", lambda *a: ([], "ImportError: PoolRows"))
-    (row,) = harness.tree_rows_of(str(tree), "bench.decode", [])
+    monkeypatch.setattr(harness, "tree_rows", lambda *a: ([], "ImportError: PoolRows", 1))
+    (row,) = harness.tree_rows_of(str(tree), "bench.decode", [], step="tree")
     assert row["ms"] is None and "PoolRows" in row["error"] and row["tree_commit"] == "0123abc"
+    assert row["step"] == "tree"
+    # A child that fails partway: its rows, then one that says why.
+    monkeypatch.setattr(harness, "tree_rows", lambda *a: ([{"ms": 1.0}], "CUDA error", 1))
+    rows = harness.tree_rows_of(str(tree), "bench.decode", [])
+    assert [r["ms"] for r in rows] == [1.0, None] and "CUDA error" in rows[1]["error"]
     with pytest.raises(SystemExit):
         decode.main(["--tree", str(tmp_path / "missing"), "--no-fla"])
+
+
+def test_decode_with_a_tree_that_does_not_import(tmp_path, capsys):
+    tree = tmp_path / "broken"
+    (tree / "kda_jax").mkdir(parents=True)
+    (tree / "kda_jax" / "__init__.py").write_text("raise ImportError('no PoolRows here')")
+    out = tmp_path / "d.json"
+    assert decode.main(["--kda-impl", "xla", "--no-fla", "--sizes", "2", "--iters", "1",
+                        "--repeats", "1", "--heads", "2", "--head-dim", "16", "--tree", str(tree),
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    (bad,) = [r for r in rows if r["implementation"].startswith("tree:")]
+    assert bad["ms"] is None and "no PoolRows here" in bad["error"] and bad["step"] == "tree"
+    assert "no PoolRows here" in capsys.readouterr().out  # the table says why
+
+
+def test_decode_rounds_need_only_their_own_forms_and_keep_a_failure(tmp_path, monkeypatch):
+    """fla's verify row failing leaves the rounds (dense and pools) to run; a child that
+    dies during the rounds leaves its row, which says why, and the rounds before it."""
+    path = tmp_path / "child.py"
+    path.write_text(textwrap.dedent("""
+        import json, sys
+        print(json.dumps({"ready": True, "torch": "t", "fla": "f"}), flush=True)
+        jobs = 0
+        for line in sys.stdin:
+            jobs += 1
+            if jobs == 5:  # the sizes' job, round 0's three forms, then round 1's first
+                print("Traceback: CUDA error: an illegal memory access", flush=True)
+                sys.exit(1)
+            for form in json.loads(line).get("forms", []):
+                row = {"form": form, "ms": None if form == "verify" else 2.0}
+                if form == "verify":
+                    row["error"] = "TypeError: num_accepted_tokens"
+                print(json.dumps({"row": row}), flush=True)
+            print(json.dumps({"done": True}), flush=True)
+    """))
+    monkeypatch.setattr(fla_peer.FlaPeer.__init__, "__defaults__", ([sys.executable, str(path)],))
+    out = tmp_path / "d.json"
+    decode.main(["--kda-impl", "xla", "--sizes", "2", "--rounds", "2", "--iters", "1",
+                 "--repeats", "1", "--heads", "2", "--head-dim", "16", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    died = [r for r in rows if "round 1" in r["implementation"]]
+    assert len(died) == 1 and "illegal memory access" in died[0]["error"]
+    summaries = {r["form"]: r for r in rows if "per_round" in r}
+    assert set(summaries) == {"dense", "pool", "pool bf16"}
+    assert all(s["rounds"] == 1 for s in summaries.values())

@@ -4,8 +4,10 @@
 - ``stalls``: Nsight Compute's warp-stall samples per SASS instruction, summarised;
 - ``gate_precision``: every gradient's error against the float32 reference at fla's gate grid;
 - ``pool_drift``: a 16-bit state pool's drift over many decode steps;
-- ``aot_compare``: two source trees' AOT reports, kernel by kernel.
+- ``aot_compare``: two AOT reports (files, or ``REV:PATH``), kernel by kernel.
 
-Their tests carry the ``diagnostics`` marker, outside the default test run
-(``python -m pytest -m diagnostics`` runs them).
+The tests of the tools (tests/test_diagnostics.py) carry the ``diagnostics`` marker,
+outside the default test run (``python -m pytest -m diagnostics``; `.ci/run` runs them
+after it). The 16-bit pool's drift bound is a property of the library: its test
+(tests/test_pool_drift.py) stays in the default run.
 """

@@ -35,8 +35,8 @@ CHUNK_STATES = ("fp32", "work")
 # BackwardConfig.normalized_qk: the in-kernel L2-normalized q, k reach the
 # backward's kernels in float32, or rounded to the caller's 16-bit dtype.
 NORMALIZED_QK = ("fp32", "input")
-# DecodeConfig.state_cast: a 16-bit pool row's rounding, on the bits or by the
-# conversion instruction.
+# DecodeConfig.state_cast: a bfloat16 pool row's rounding, on the bits or by
+# Triton's conversion.
 STATE_CASTS = ("bits", "native")
 # BackwardConfig.transform_residuals: what the input transforms keep for their
 # gradient, which runs after the backward's kernels.
@@ -228,11 +228,12 @@ class DecodeConfig:
     its V block (its state tile [K (padded), block_v] float32 in registers),
     num_warps, and num_stages, which is also the software-pipelining depth
     of the token loop (its next token's loads issued before this token's
-    update). ``state_cast``: how a 16-bit pool's rows get the float32 state,
-    rounded to nearest even either way: "bits", the rounding written out on
-    the bits; "native", the conversion instruction (a quarter of the
-    kernel's instructions fewer at a bf16 pool on sm90). Triton's interpreter
-    truncates in its conversion, so it always runs "bits"."""
+    update). ``state_cast``: how a bfloat16 pool's rows get the float32
+    state, rounded to nearest even either way: "bits", the rounding written
+    out on the bits; "native", Triton's conversion (on sm90 one instruction
+    per pair: a quarter of the kernel's instructions fewer). Triton's
+    interpreter truncates in its conversion, so it always runs "bits".
+    float16 pools always take the conversion."""
 
     block_v: int
     warps: int

@@ -21,8 +21,8 @@ with UNIFORM (host bounds whose sequences all have SEQ_LEN tokens, e.g. a decode
 step of one token each) sequence n spans [n * SEQ_LEN, (n + 1) * SEQ_LEN) and no
 bound is loaded: the loads of a program's tokens then wait on nothing.
 LOOP_STAGES is the token loop's software-pipelining depth (tl.range).
-NATIVE_CAST: a 16-bit pool row gets the float32 state through the conversion
-instruction, else through the rounding written out on the bits (state_io;
+NATIVE_CAST: a bfloat16 pool row gets the float32 state through Triton's
+conversion, else through the rounding written out on the bits (state_io;
 the same values, round to nearest even).
 Programs i_n < n_seqs are sequences; a program i_n == n_seqs (launched for a
 bucketed batch only) writes o = 0 on the token rows [cu_seqlens[n_seqs],

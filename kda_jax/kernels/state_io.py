@@ -70,8 +70,8 @@ def _rounded(b_h, DT: tl.constexpr, NATIVE_CAST: tl.constexpr):
     even. For bfloat16 without NATIVE_CAST the rounding is written out on the
     bits (NaN kept NaN), since Triton's interpreter truncates in its float32 ->
     bfloat16 cast: the same bits on every backend as XLA's rounding of a
-    float32 state. Compiled, the conversion rounds the same way in one
-    instruction per pair."""
+    float32 state. Compiled, Triton's conversion rounds the same way (on
+    sm90 one instruction per pair)."""
     if DT == tl.bfloat16 and not NATIVE_CAST:
         b_u = b_h.to(tl.uint32, bitcast=True)
         b_u = b_u + ((b_u >> 16) & 1) + 0x7FFF
