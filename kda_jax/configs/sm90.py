@@ -83,9 +83,9 @@ BACKWARD_32 = BackwardConfig(
     gate_fp32_max_k=64)
 
 RECURRENT = RecurrentConfig(decode={
-    "dense": DecodeConfig(block_v=32, warps=2, stages=2),
-    "varlen": DecodeConfig(block_v=32, warps=2, stages=2),
-    "wide": DecodeConfig(block_v=32, warps=2, stages=2)})
+    "dense": DecodeConfig(block_v=32, warps=2, stages=2, state_cast="native"),
+    "varlen": DecodeConfig(block_v=32, warps=2, stages=2, state_cast="native"),
+    "wide": DecodeConfig(block_v=32, warps=2, stages=2, state_cast="native")})
 
 SEGMENTS = SegmentConfig(
     forward=SegmentRule(min_programs=128, target_programs=128, min_segment_chunks=64),
