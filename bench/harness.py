@@ -33,20 +33,33 @@ TREE = "tree:"
 
 class Peers:
     """The PyTorch child of a run (``argv``: the child's command, default bench.fla_peer's),
-    started at the first job and again after one dies. ``enabled=False`` (a benchmark's
-    --no-fla) makes every job's rows "unavailable" without starting anything."""
+    started at the first job and again after one dies; a child that does not start is not
+    tried again (torch or fla is missing: every later job gets the same reason).
+    ``enabled=False`` (a benchmark's --no-fla) makes every job's rows "unavailable"
+    without starting anything."""
 
     def __init__(self, argv=None, enabled: bool = True):
         self.argv, self.enabled = argv, enabled
-        self.child, self.versions = None, {}
+        self.child, self.versions, self.failed = None, {}, None
+
+    @property
+    def usable(self) -> bool:
+        """On, and not known to be missing."""
+        return self.enabled and self.failed is None
 
     def start(self):
         """Starts the child where none runs; raises PeerUnavailable where it does not start
-        or the peers are off."""
+        (now or before) or the peers are off."""
         if not self.enabled:
             raise PeerUnavailable("the peers are off (--no-fla)")
+        if self.failed is not None:
+            raise PeerUnavailable(self.failed)
         if self.child is None:
-            self.child = FlaPeer(self.argv) if self.argv else FlaPeer()
+            try:
+                self.child = FlaPeer(self.argv) if self.argv else FlaPeer()
+            except PeerUnavailable as e:
+                self.failed = str(e)
+                raise
             self.versions.update({k: v for k, v in self.child.versions.items() if v})
 
     def tail(self) -> str:

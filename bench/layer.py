@@ -321,7 +321,6 @@ def main(argv=None) -> int:
             fla.start()
         except PeerUnavailable as e:
             print(f"fla unavailable, our side only: {e}", file=sys.stderr)
-            fla.enabled = False
     results = Results("bench.layer", argv, args.json, fla)
     shapes = (f"[1, {tokens}, {config['hidden']}], {config['heads']} heads, K = V = "
               f"{config['head_dim']}; decode {decode_seqs} sequences; bf16")
@@ -330,7 +329,7 @@ def main(argv=None) -> int:
         for form in forms:
             cfg = dict(config, **GATE_FORMS[form])
             parity_rows, timing = [], []
-            if fla.enabled and not args.skip_parity:
+            if fla.usable and not args.skip_parity:
                 try:
                     parity_rows = parity(fla, cfg, cases, args.impl)
                 except PeerUnavailable as e:
@@ -338,7 +337,7 @@ def main(argv=None) -> int:
                     rc = 1
             if not args.skip_timing:
                 fla_rows, weights = {}, None
-                if fla.enabled:
+                if fla.usable:
                     fla_rows, weights, ok = fla_timings(fla, cfg, tokens, decode_seqs,
                                                         args.iters, args.repeats)
                     rc = rc or int(not ok)

@@ -224,3 +224,17 @@ def test_decode_rounds_need_only_their_own_forms_and_keep_a_failure(tmp_path, mo
     summaries = {r["form"]: r for r in rows if "per_round" in r}
     assert set(summaries) == {"dense", "pool", "pool bf16"}
     assert all(s["rounds"] == 1 for s in summaries.values())
+
+
+def test_peers_that_do_not_start_are_not_tried_again(tmp_path):
+    from bench import harness
+
+    path = tmp_path / "child.py"
+    path.write_text("import sys; open(sys.argv[1], 'a').write('x'); raise ImportError('no fla')")
+    tries = tmp_path / "tries"
+    peers = harness.Peers([sys.executable, str(path), str(tries)])
+    assert peers.usable
+    for _ in range(3):
+        (row,) = peers.rows({"job": "decode"})
+        assert row["ms"] is None and "no fla" in row["unavailable"]
+    assert tries.read_text() == "x" and not peers.usable
