@@ -22,6 +22,11 @@ Jobs (all bf16 q/k/v, float32 g and beta, inputs from bench.inputs):
   {"job": "decode", "n": N, "heads": H, "head_dim": D, "forms": ["dense", "pool"]}
       fused_recurrent_kda over N one-token sequences: dense states, or a pool
       updated in place through ssm_state_indices (fla's serving decode)
+  {"job": "gradients", "inputs": .npz path, "out": .npz path, "dtype": "bfloat16",
+   "l2norm": bool, "scale": float}
+      fla's chunk_kda with the in-kernel gate on the arrays of ``inputs`` (GRADIENT_INPUTS,
+      float32 values; q, k, v, beta cast to ``dtype``), autograd of sum(o * w_o) +
+      sum(final_state * w_f); the gradients go to ``out`` as float32, the row is {"out": path}
 Each job may carry "iters" and "repeats" (bench.timing.time_calls).
 
     python -m bench.fla_peer      # the child; the parent side is FlaPeer
@@ -345,7 +350,33 @@ def decode_job(job):
         yield row
 
 
-JOBS = {"sweep": sweep_job, "serving": serving_job, "decode": decode_job}
+# The arrays of a gradients job (kda_jax.testing.gate_param_inputs' names), and the ones
+# cast to the job's 16-bit dtype.
+GRADIENT_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+SIXTEEN_BIT_INPUTS = ("q", "k", "v", "beta")
+
+
+def gradients_job(job):
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    data = np.load(job["inputs"])
+    dtype = getattr(torch, job["dtype"])
+    x = {n: _cuda(data[n], dtype if n in SIXTEEN_BIT_INPUTS else torch.float32).requires_grad_()
+         for n in GRADIENT_INPUTS}
+    o, final = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=job["scale"],
+                         initial_state=x["initial_state"], output_final_state=True,
+                         use_qk_l2norm_in_kernel=job["l2norm"], use_gate_in_kernel=True,
+                         A_log=x["A_log"], dt_bias=x["dt_bias"])
+    loss = ((o.float() * _cuda(data["w_o"])).sum()
+            + (final.float() * _cuda(data["w_f"])).sum())
+    loss.backward()
+    np.savez(job["out"], **{n: x[n].grad.float().cpu().numpy() for n in GRADIENT_INPUTS})
+    yield {"out": job["out"]}
+
+
+JOBS = {"sweep": sweep_job, "serving": serving_job, "decode": decode_job,
+        "gradients": gradients_job}
 
 
 def child_main():

@@ -94,3 +94,39 @@ def test_gate_precision_rows_on_the_small_grid(tmp_path):
         assert rows[1][f"d{name}"] < testing.GRAD_TOLERANCES["bfloat16"][name]
     with pytest.raises(ValueError):
         gate_precision.main(["--small", "--impls", "triton:backward.no_such_field=1"])
+
+
+# A stand-in for the fla child's gradients job: zero gradients, or a child that dies.
+FAKE_GRADIENTS_CHILD = """
+import json, sys
+import numpy as np
+print(json.dumps({"ready": True, "torch": "t", "fla": "f"}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    if job["l2norm"]:
+        print("Traceback: CUDA error", flush=True)
+        sys.exit(1)
+    with np.load(job["inputs"]) as x:
+        np.savez(job["out"], **{n: np.zeros_like(x[n]) for n in x.files if n[:2] != "w_"})
+    print(json.dumps({"row": {"out": job["out"]}}), flush=True)
+    print(json.dumps({"done": True}), flush=True)
+"""
+
+
+def test_gate_precision_takes_fla_from_the_child(tmp_path):
+    """bench.diagnostics.gate_precision's "fla" rows: the child's gradients against the same
+    float32 reference (zeros: every relative RMS is 1), and a child that dies gives a row
+    that says so."""
+    import sys
+
+    from bench.diagnostics import gate_precision
+    from bench.harness import Peers
+
+    child = tmp_path / "child.py"
+    child.write_text(FAKE_GRADIENTS_CHILD)
+    grid = ((1, 20, 1, 16, "float32", 1.0, False), (1, 20, 1, 16, "float32", 1.0, True))
+    with Peers([sys.executable, str(child)]) as peers:
+        rows = gate_precision.run(["fla"], grid, peers=peers)
+    assert [r["implementation"] for r in rows] == ["fla", "fla"]
+    assert all(rows[0][f"d{n}"] == 1.0 for n in gate_precision.NAMES), rows[0]
+    assert "CUDA error" in rows[1]["error"] and "dq" not in rows[1]

@@ -1,9 +1,11 @@
 """The gradients' precision with the in-kernel gate: the relative RMS of every gradient of
 chunk_kda (dq ... dh0, dA_log, ddt_bias) against autodiff of the float32 reference, at
 fla's KDA gate grid (kda_jax.testing.GATE_PARAM_GRID), for each implementation or config
-variant, in one process.
+variant, in one process, and for fla's chunk_kda on the same arrays (implementation
+"fla", in the PyTorch child bench.fla_peer): its own error is the scale the bars are read
+against.
 
-    python -m bench.diagnostics.gate_precision [--impls triton,triton:backward.FIELD=VALUE+...]
+    python -m bench.diagnostics.gate_precision [--impls triton,triton:backward.FIELD=VALUE+...,fla]
                                    [--small] [--json PATH]
 
 The loss is the gate-grid test's, testing.weighted_loss: sum(o * w_o) + sum(final_state *
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +29,11 @@ import numpy as np
 
 import kda_jax
 from bench import sweep
-from bench.harness import Results
+from bench.fla_peer import GRADIENT_INPUTS as NAMES
+from bench.harness import Peers, Results
 from kda_jax import testing
 
-NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+FLA = "fla"
 
 
 def gradients(fn, arrays, w_o, w_f, call_kw, out_dtype=None):
@@ -37,9 +42,30 @@ def gradients(fn, arrays, w_o, w_f, call_kw, out_dtype=None):
     return jax.jit(jax.grad(loss))(arrays)
 
 
-def run(impls, grid, add=None) -> list[dict]:
+def fla_gradients(peers: Peers, arrays, w_o, w_f, l2norm: bool):
+    """fla's gradients of the same loss on the same arrays (float32 NumPy by name), or
+    {"error" / "unavailable": why}."""
+    with tempfile.TemporaryDirectory(prefix="kda-gate-precision-") as tmp:
+        inputs, out = os.path.join(tmp, "inputs.npz"), os.path.join(tmp, "grads.npz")
+        np.savez(inputs, w_o=w_o, w_f=w_f,
+                 **{n: np.asarray(arrays[n], np.float32) for n in NAMES})
+        job = dict(job="gradients", inputs=inputs, out=out, scale=0.1, l2norm=bool(l2norm),
+                   dtype=jnp.dtype(arrays["q"].dtype).name)
+        for row in list(peers.rows(job)):  # to the job's end: the child then takes the next
+            if "out" not in row:
+                return {k: v for k, v in row.items() if k != "ms"}
+            with np.load(row["out"]) as got:
+                return {n: got[n] for n in NAMES}
+    return {"error": "the child gave no row"}
+
+
+def run(impls, grid, add=None, peers: Peers | None = None) -> list[dict]:
     """The rows of every (case, implementation), each passed to ``add`` as it lands (a run
-    cut short keeps what it measured)."""
+    cut short keeps what it measured). "fla" runs in ``peers``' child (a run of its own
+    where none is given)."""
+    if peers is None:
+        with Peers() as own:
+            return run(impls, grid, add, own)
     rows = []
     for case in grid:
         b, t, h, kd, dtype, normalizer, l2norm = case
@@ -51,10 +77,19 @@ def run(impls, grid, add=None) -> list[dict]:
                         out_dtype=arrays["q"].dtype)
         label = "B{}-T{}-H{}-K{}-{}-n{}-l2{}".format(*case)
         for impl in impls:
-            name, traced_under = sweep.implementation(impl)
-            fn = functools.partial(kda_jax.chunk_kda, implementation=name)
-            with traced_under:
-                got = gradients(fn, arrays, w_o, w_f, call_kw)
+            if impl == FLA:
+                got = fla_gradients(peers, arrays, w_o, w_f, l2norm)
+                if set(got) != set(NAMES):
+                    rows.append(dict(case=label, implementation=impl, **got))
+                    if add is not None:
+                        add(rows[-1])
+                    print(f"{label:34} {impl:60.60} {got}", flush=True)
+                    continue
+            else:
+                name, traced_under = sweep.implementation(impl)
+                fn = functools.partial(kda_jax.chunk_kda, implementation=name)
+                with traced_under:
+                    got = gradients(fn, arrays, w_o, w_f, call_kw)
             errors = {f"d{n}": testing.rel_rms(np.asarray(got[n], np.float32),
                                                np.asarray(ref[n], np.float32)) for n in NAMES}
             rows.append(dict(case=label, implementation=impl, **errors))
@@ -75,9 +110,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     impls = args.impls.split(",")
     for impl in impls:  # a bad variant fails here, before anything runs
-        sweep.implementation(impl)
+        if impl != FLA:
+            sweep.implementation(impl)
     grid = testing.GATE_PARAM_GRID_SMALL if args.small else testing.GATE_PARAM_GRID
-    run(impls, grid, Results("bench.diagnostics.gate_precision", argv, args.json).add)
+    with Peers() as peers:
+        results = Results("bench.diagnostics.gate_precision", argv, args.json, peers=peers)
+        run(impls, grid, results.add, peers)
 
 
 if __name__ == "__main__":
