@@ -489,6 +489,13 @@ def test_transform_residuals_recomputed(dtype):
             text = str(jax.make_jaxpr(grad)({n: arrays[n] for n in GATE}))
             remat[form] = "remat" in text or "checkpoint" in text  # the primitive's names
     assert remat == {"saved": False, "recompute": True}  # the config reaches the backward
+    # With no in-kernel transform (the zeroing alone) "recompute" leaves autodiff's residuals.
+    plain = dict(scale=0.1, use_qk_l2norm_in_kernel=False)
+    plain_arrays = dict(arrays, g=-jax.nn.softplus(arrays["g"]))
+    with configs.override(configs.replace(base, {"transform_residuals": "recompute"})):
+        text = str(jax.make_jaxpr(jax.grad(_loss(fast, plain_arrays, plain, w_o, w_f)))(
+            {n: plain_arrays[n] for n in ("q", "g")}))
+    assert "remat" not in text and "checkpoint" not in text
     for n in GATE:
         a, b = np.asarray(got["recompute"][n], np.float64), np.asarray(got["saved"][n], np.float64)
         assert np.array_equal(np.isnan(a), np.isnan(b)), f"d{n}: NaN entries differ"

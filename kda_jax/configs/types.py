@@ -443,9 +443,14 @@ class BackwardConfig:
       before the backward's kernels, their gradient after them. "saved":
       autodiff keeps its residuals across the kernels (with every transform
       on, 24 arrays of [T, HV, K], 72 bytes per entry, written and read
-      back); "recompute": only the raw inputs are kept and the gradient's
-      pass recomputes the transforms from them (jax.checkpoint), in the
-      fusions that apply the cotangents.
+      back); "recompute": where an in-kernel transform (L2 norm, gate, beta
+      sigmoid or negative eigenvalues) is on, only the raw inputs are kept
+      and the gradient's pass recomputes the transforms from them
+      (jax.checkpoint), in the fusions that apply the cotangents. With the
+      zeroing alone there is no transcendental to keep, and XLA recomputes
+      its masks inside the gradient's fusions by itself; the checkpoint's
+      barrier stopped that (2.5 % slower at init on an H100,
+      docs/tuning.md), so it is not applied there.
     """
 
     recompute: Mapping[str, PrepareConfig]

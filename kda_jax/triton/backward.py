@@ -428,7 +428,7 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
 
     (tq, tk, tv, tg, tb, poison, q_bad), transform_vjp = _vjp_with_flags(
         opts, flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias,
-        recompute=bwd_config.transform_residuals == "recompute")
+        recompute=bwd_config.transform_residuals == "recompute" and _transforms_on(opts))
     # The forward's NaN outputs and states are constants: no cotangent
     # reaches the clean computation through them.
     rows, finals = _poisoned(poison, q_bad, bounds)
@@ -465,6 +465,12 @@ def _kernel_qk(q, k, q_dtype, k_dtype, opts: KdaOptions, config: BackwardConfig)
         return q, k
     rounded = lambda x, dtype: x.astype(dtype) if jnp.dtype(dtype).itemsize == 2 else x
     return rounded(q, q_dtype), rounded(k, k_dtype)
+
+
+def _transforms_on(opts: KdaOptions) -> bool:
+    """Whether an input transform beyond the non-finite zeroing runs in the kernels."""
+    return (opts.use_qk_l2norm_in_kernel or opts.use_gate_in_kernel
+            or opts.use_beta_sigmoid_in_kernel or opts.allow_neg_eigval)
 
 
 def _vjp_with_flags(opts, q, k, v, g, beta, A_log, dt_bias, *, recompute: bool = False):
