@@ -6,7 +6,7 @@ variant, in one process, and for fla's chunk_kda on the same arrays (implementat
 against.
 
     python -m bench.diagnostics.gate_precision [--impls triton,triton:backward.FIELD=VALUE+...,fla]
-                                   [--small] [--json PATH]
+                                   [--small] [--dtypes bfloat16] [--json PATH]
 
 The loss is the gate-grid test's, testing.weighted_loss: sum(o * w_o) + sum(final_state *
 w_f), the reference's o rounded to the inputs' dtype as the API rounds its own (so both see
@@ -106,6 +106,8 @@ def main(argv=None):
                    help="comma-separated implementations or config variants (bench.sweep)")
     p.add_argument("--small", action="store_true",
                    help="the interpreter's grid (testing.GATE_PARAM_GRID_SMALL)")
+    p.add_argument("--dtypes", help="comma-separated input dtypes: the grid's cases of these "
+                                    "only (default: every case)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     impls = args.impls.split(",")
@@ -113,6 +115,12 @@ def main(argv=None):
         if impl != FLA:
             sweep.implementation(impl)
     grid = testing.GATE_PARAM_GRID_SMALL if args.small else testing.GATE_PARAM_GRID
+    if args.dtypes:
+        wanted = args.dtypes.split(",")
+        grid = tuple(case for case in grid if case[4] in wanted)
+        if not grid:
+            p.error(f"--dtypes {args.dtypes!r}: no case of the grid has these dtypes (it has "
+                    f"{sorted({case[4] for case in testing.GATE_PARAM_GRID})})")
     with Peers() as peers:
         results = Results("bench.diagnostics.gate_precision", argv, args.json, peers=peers)
         run(impls, grid, results.add, peers)
