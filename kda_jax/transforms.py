@@ -132,6 +132,28 @@ def _zeroed(x, bad):
     return jnp.where(bad, jnp.zeros((), x.dtype), x)
 
 
+def _bad_entries(q, k, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel):
+    """The entries that would make the recurrence non-finite, as element masks."""
+    nonfinite = lambda x: ~jnp.isfinite(x)
+    g_bad = jnp.isnan(g) if use_gate_in_kernel else (jnp.isnan(g) | (g == jnp.inf))
+    b_bad = jnp.isnan(beta) if use_beta_sigmoid_in_kernel else nonfinite(beta)
+    return nonfinite(q), nonfinite(k), nonfinite(v), g_bad, b_bad
+
+
+def _flags(h, hv, q_bad, k_bad, v_bad, g_bad, b_bad):
+    """(poison, q_bad) per token and value head from the element masks."""
+    per_head = lambda bad: jnp.repeat(jnp.any(bad, axis=-1), hv // h, axis=-1)
+    poison = per_head(k_bad) | jnp.any(v_bad, axis=-1) | jnp.any(g_bad, axis=-1) | b_bad
+    return poison, per_head(q_bad)
+
+
+def nonfinite_flags(q, k, v, g, beta, *, use_gate_in_kernel: bool,
+                    use_beta_sigmoid_in_kernel: bool):
+    """:func:`sanitize`'s ``(poison, q_bad)`` alone, bool ``[..., HV]``."""
+    masks = _bad_entries(q, k, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+    return _flags(q.shape[-2], v.shape[-2], *masks)
+
+
 def sanitize(q, k, v, g, beta, *, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool):
     """Raw inputs -> (q, k, v, g, beta, poison, q_bad) with every entry that
     would make the recurrence non-finite replaced by 0 (see the module
@@ -142,12 +164,7 @@ def sanitize(q, k, v, g, beta, *, use_gate_in_kernel: bool, use_beta_sigmoid_in_
     ``q_bad`` bool ``[..., HV]``: q of the token's q/k head holds one: only
     that token's output is non-finite.
     """
-    h, hv = q.shape[-2], v.shape[-2]
-    nonfinite = lambda x: ~jnp.isfinite(x)
-    q_bad_e, k_bad_e, v_bad_e = nonfinite(q), nonfinite(k), nonfinite(v)
-    g_bad_e = jnp.isnan(g) if use_gate_in_kernel else (jnp.isnan(g) | (g == jnp.inf))
-    b_bad = jnp.isnan(beta) if use_beta_sigmoid_in_kernel else nonfinite(beta)
-    per_head = lambda bad: jnp.repeat(jnp.any(bad, axis=-1), hv // h, axis=-1)
-    poison = per_head(k_bad_e) | jnp.any(v_bad_e, axis=-1) | jnp.any(g_bad_e, axis=-1) | b_bad
-    return (_zeroed(q, q_bad_e), _zeroed(k, k_bad_e), _zeroed(v, v_bad_e), _zeroed(g, g_bad_e),
-            _zeroed(beta, b_bad), poison, per_head(q_bad_e))
+    masks = _bad_entries(q, k, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+    poison, q_bad = _flags(q.shape[-2], v.shape[-2], *masks)
+    zeroed = (_zeroed(x, bad) for x, bad in zip((q, k, v, g, beta), masks))
+    return (*zeroed, poison, q_bad)

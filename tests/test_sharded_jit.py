@@ -135,6 +135,27 @@ def test_forward_and_grad_stay_sharded(batch, heads, gate, check_rel_rms):
         assert not found, found
 
 
+def test_grad_with_the_forwards_nonfinite_flags_stays_sharded(check_rel_rms):
+    """BackwardConfig.nonfinite_flags="forward": the flags kept by the forward
+    (one int8 per token and value head) shard with the rows and heads; the
+    gradients equal the unsharded call's and no collective is added."""
+    from kda_jax import configs
+
+    arrays = _inputs(True)
+    mesh = _mesh()
+    placed = _place(arrays, mesh, _specs("data", "model"))
+    bwd = configs.replace(configs.backward_config(), {"nonfinite_flags": "forward"})
+    with configs.override(bwd):
+        compiled = jax.jit(_program(_triton, True)).lower(*placed).compile()
+    o, s, grads = compiled(*placed)
+    (o1, s1, grads1), _ = _unsharded(True)
+    np.testing.assert_allclose(o, o1, rtol=1e-6, atol=1e-6)
+    for d, d1 in zip(grads, grads1):
+        np.testing.assert_allclose(d, d1, rtol=1e-5, atol=1e-5)
+    found = _collectives(compiled)
+    assert set(found) <= {"all-reduce(", "all-reduce-start("} and len(found) <= 2, found
+
+
 def test_time_sharded_input_is_gathered():
     """T sharded (sequences are packed along T): the rule gathers it, and the
     result is still the unsharded call's."""

@@ -516,6 +516,70 @@ def test_transform_residuals_recomputed(dtype):
             assert len(big) <= most, [x.dtype for x in big]  # q, k, v, g (and beta)
 
 
+@pytest.mark.parametrize("layout", ["dense", "varlen", "vmap"])
+def test_nonfinite_flags_from_the_forward(layout):
+    """BackwardConfig.nonfinite_flags="forward": the forward of a differentiated
+    call keeps the per-token non-finite flags, and the backward takes them
+    instead of recomputing them with the transforms. The same gradients, bit for
+    bit, as "backward", with hostile entries that poison rows (NaN in k, v and
+    beta, +inf in the raw gate) and one that spoils a single output (NaN in q),
+    over a dense batch, packed sequences and jax.vmap; and the residual is there
+    only when asked."""
+    B, T, H, K = 2, 70, 2, 16
+    arrays, w_o, w_f = testing.gate_param_inputs(7, B, T, H, K, jnp.dtype(jnp.bfloat16), 10.0,
+                                                 True)
+    arrays = dict(arrays, k=arrays["k"].at[0, 9, 1, 3].set(jnp.nan),
+                  q=arrays["q"].at[1, 20, 0, 2].set(jnp.nan),
+                  v=arrays["v"].at[1, 40, 1, 0].set(jnp.nan),
+                  g=arrays["g"].at[0, 30, 0, 5].set(jnp.inf),
+                  beta=arrays["beta"].at[1, 50, 1].set(jnp.nan))
+    call_kw = dict(scale=0.1, use_gate_in_kernel=True, A_log=True, dt_bias=True,
+                   use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    fast = functools.partial(kda_jax.chunk_kda, implementation="triton")
+    if layout == "varlen":  # the batch packed into one row of three sequences
+        arrays = {n: (a.reshape((1, B * T) + a.shape[2:]) if n in ("q", "k", "v", "g", "beta")
+                      else a) for n, a in arrays.items()}
+        arrays["initial_state"] = jnp.concatenate([arrays["initial_state"]] * 2)[:3]
+        w_o, w_f = w_o.reshape((1, B * T) + w_o.shape[2:]), np.concatenate([w_f] * 2)[:3]
+        call_kw["cu_seqlens"] = np.array([0, 25, 70, 2 * T])
+    wrt = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    base = configs.backward_config()
+    got, saved = {}, {}
+    for where in ("backward", "forward"):
+        with configs.override(configs.replace(base, {"nonfinite_flags": where})):
+            loss = _loss(fast, arrays, call_kw, w_o, w_f) if layout != "vmap" else _mapped_loss(
+                fast, arrays, call_kw, w_o, w_f)
+            got[where] = jax.jit(jax.grad(loss))({n: arrays[n] for n in wrt})
+            text = str(jax.make_jaxpr(jax.grad(loss))({n: arrays[n] for n in wrt}))
+            saved[where] = "i8[" in text
+    assert saved == {"backward": False, "forward": True}
+    for n in wrt:
+        a, b = np.asarray(got["forward"][n], np.float32), np.asarray(got["backward"][n], np.float32)
+        assert np.isnan(a).sum() < a.size, f"d{n}: all NaN"
+        np.testing.assert_array_equal(a, b, err_msg=f"d{n}")
+
+
+def _mapped_loss(fn, arrays, call_kw, w_o, w_f):
+    """weighted_loss with each row of the batch a call of its own, under jax.vmap."""
+    rows = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def one(x, wo, wf, params):
+        a = {**arrays, **{n: x[n][None] for n in rows}, **params}
+        return _loss(fn, a, call_kw, wo[None], wf[None])({})
+
+    def loss(params):
+        x = {n: params.get(n, arrays[n]) for n in rows}
+        gate = {n: params[n] for n in ("A_log", "dt_bias")}
+        return jnp.sum(jax.vmap(one, in_axes=(0, 0, 0, None))(x, w_o, w_f, gate))
+
+    return loss
+
+
+def test_nonfinite_flags_config_names_its_values():
+    with pytest.raises(ValueError, match="nonfinite_flags='kernel'.*'backward', 'forward'"):
+        dataclasses.replace(configs.backward_config("sm90"), nonfinite_flags="kernel")
+
+
 def test_transform_residuals_config_names_its_values():
     with pytest.raises(ValueError, match="transform_residuals='none'.*'saved', 'recompute'"):
         dataclasses.replace(configs.backward_config("sm90"), transform_residuals="none")

@@ -402,7 +402,21 @@ def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, 
          segments):
     out = _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
                    segments)
-    return out, (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    flags = None
+    if bwd_config.nonfinite_flags == "forward":
+        flags = _packed_flags(*transforms.nonfinite_flags(
+            q, k, v, g, beta, use_gate_in_kernel=opts.use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel))
+    return out, (q, k, v, g, beta, initial_state, A_log, dt_bias, flags)
+
+
+# The non-finite flags kept by the forward (BackwardConfig.nonfinite_flags="forward"):
+# one int8 per token and value head.
+_POISON, _Q_BAD = 1, 2
+
+
+def _packed_flags(poison, q_bad):
+    return (poison.astype(jnp.int8) * _POISON) | (q_bad.astype(jnp.int8) * _Q_BAD)
 
 
 def _bwd(opts, bounds, config, bwd_config, segments, residuals, cotangents):
@@ -412,15 +426,18 @@ def _bwd(opts, bounds, config, bwd_config, segments, residuals, cotangents):
     run = lambda *args: _grads(*args[:8], *args[9:], opts=opts, bounds=args[8],
                                bwd_config=bwd_config, segments=segments)
     step = unpartitioned_under_vmap(partitioned(run, GRAD_CALL, GRADS, summed=PARAMS), run)
-    return step(*residuals, bounds, *cotangents)
+    *inputs, flags = residuals
+    return step(*inputs, bounds, *cotangents, flags)
 
 
-def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: KdaOptions,
-           bounds: SeqBounds, bwd_config: BackwardConfig,
+def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, flags=None, *,
+           opts: KdaOptions, bounds: SeqBounds, bwd_config: BackwardConfig,
            segments: configs.SegmentConfig | None = None):
     """The gradients of q, k, v, g, beta, initial_state, A_log, dt_bias (None
     for an absent one) from the raw inputs and the cotangents ``do`` and
-    ``dht`` (None without a final state)."""
+    ``dht`` (None without a final state). ``flags``: the forward's packed
+    non-finite flags ``[B, T, HV]`` int8, or None (computed here, with the
+    transforms)."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
     tokens = b * t
@@ -429,6 +446,9 @@ def _grads(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, *, opts: Kd
     (tq, tk, tv, tg, tb, poison, q_bad), transform_vjp = _vjp_with_flags(
         opts, flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias,
         recompute=bwd_config.transform_residuals == "recompute" and _transforms_on(opts))
+    if flags is not None:  # the transforms' own flags then go unused (and unbuilt)
+        flags = flat(flags)
+        poison, q_bad = (flags & _POISON) != 0, (flags & _Q_BAD) != 0
     # The forward's NaN outputs and states are constants: no cotangent
     # reaches the clean computation through them.
     rows, finals = _poisoned(poison, q_bad, bounds)

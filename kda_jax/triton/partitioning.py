@@ -63,6 +63,7 @@ ROLES = {
     "q": (_B, None, _H, None), "k": (_B, None, _H, None),
     "v": (_B, None, _HV, None), "g": (_B, None, _HV, None), "beta": (_B, None, _HV),
     "o": (_B, None, _HV, None),
+    "flags": (_B, None, _HV),  # the backward's saved non-finite flags
     "state": (_N, _HV, None, None),  # [N, HV, K, V] or [N, HV, V, K]
     "A_log": (_HV,), "dt_bias": (_HVK,),
     "cache": (None, _HV, None, None), "indices": (None,), "has_initial_state": (None,),
@@ -76,9 +77,10 @@ ROLES = {
 # The kernel-level calls' positional arguments: the forward and the decode
 # launch (q, k, v, g, beta, initial_state, A_log, dt_bias, bounds, pool), and
 # the backward (the forward's first nine, then the cotangents of o and of the
-# final state) with its gradients (PARAMS: sums over the rows).
+# final state, and the forward's non-finite flags or None) with its gradients
+# (PARAMS: sums over the rows).
 CALL = ("q", "k", "v", "g", "beta", "state", "A_log", "dt_bias", "bounds", "pool")
-GRAD_CALL = CALL[:9] + ("o", "state")
+GRAD_CALL = CALL[:9] + ("o", "state", "flags")
 GRADS = CALL[:8]
 PARAMS = ("A_log", "dt_bias")
 
