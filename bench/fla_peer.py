@@ -9,7 +9,7 @@ lines on stdout, one per measured row as soon as it is timed ({"row": ...}),
 then {"done": true}. The child stays alive between jobs, so a benchmark can
 alternate its own measurements with fla's (bench.decode --rounds).
 
-Jobs (all bf16 q/k/v, float32 g and beta, inputs from bench.inputs):
+Jobs (bf16 q/k/v, float32 g and beta, inputs from bench.inputs, but for "gradients"):
   {"job": "sweep", "library": "fla" | "cudnn", "mode": "forward" | "backward",
    "rows": [[B, T, H, K, V, cu or null, gates], ...], "references": [.npy path or null, ...]}
       fla's chunk_kda, or cuDNN frontend's kimi_delta_attention on THD views (with backward:
@@ -360,16 +360,17 @@ def gradients_job(job):
     import torch
     from fla.ops.kda import chunk_kda
 
-    data = np.load(job["inputs"])
+    with np.load(job["inputs"]) as data:
+        arrays = {n: data[n] for n in data.files}
     dtype = getattr(torch, job["dtype"])
-    x = {n: _cuda(data[n], dtype if n in SIXTEEN_BIT_INPUTS else torch.float32).requires_grad_()
+    x = {n: _cuda(arrays[n], dtype if n in SIXTEEN_BIT_INPUTS else torch.float32).requires_grad_()
          for n in GRADIENT_INPUTS}
     o, final = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=job["scale"],
                          initial_state=x["initial_state"], output_final_state=True,
                          use_qk_l2norm_in_kernel=job["l2norm"], use_gate_in_kernel=True,
                          A_log=x["A_log"], dt_bias=x["dt_bias"])
-    loss = ((o.float() * _cuda(data["w_o"])).sum()
-            + (final.float() * _cuda(data["w_f"])).sum())
+    loss = ((o.float() * _cuda(arrays["w_o"])).sum()
+            + (final.float() * _cuda(arrays["w_f"])).sum())
     loss.backward()
     np.savez(job["out"], **{n: x[n].grad.float().cpu().numpy() for n in GRADIENT_INPUTS})
     yield {"out": job["out"]}

@@ -135,9 +135,10 @@ def _zeroed(x, bad):
 def _bad_entries(q, k, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel):
     """The entries that would make the recurrence non-finite, as element masks."""
     nonfinite = lambda x: ~jnp.isfinite(x)
+    q_bad, k_bad, v_bad = nonfinite(q), nonfinite(k), nonfinite(v)
     g_bad = jnp.isnan(g) if use_gate_in_kernel else (jnp.isnan(g) | (g == jnp.inf))
     b_bad = jnp.isnan(beta) if use_beta_sigmoid_in_kernel else nonfinite(beta)
-    return nonfinite(q), nonfinite(k), nonfinite(v), g_bad, b_bad
+    return q_bad, k_bad, v_bad, g_bad, b_bad
 
 
 def _flags(h, hv, q_bad, k_bad, v_bad, g_bad, b_bad):

@@ -521,8 +521,8 @@ def test_nonfinite_flags_from_the_forward(layout):
     """BackwardConfig.nonfinite_flags="forward": the forward of a differentiated
     call keeps the per-token non-finite flags, and the backward takes them
     instead of recomputing them with the transforms. The same gradients, bit for
-    bit, as "backward", with hostile entries that poison rows (NaN in k, v and
-    beta, +inf in the raw gate) and one that spoils a single output (NaN in q),
+    bit, as "backward", with hostile entries that poison rows (NaN in k, v,
+    the raw gate and beta) and one that spoils a single output (NaN in q),
     over a dense batch, packed sequences and jax.vmap; and the residual is there
     only when asked."""
     B, T, H, K = 2, 70, 2, 16
@@ -531,7 +531,7 @@ def test_nonfinite_flags_from_the_forward(layout):
     arrays = dict(arrays, k=arrays["k"].at[0, 9, 1, 3].set(jnp.nan),
                   q=arrays["q"].at[1, 20, 0, 2].set(jnp.nan),
                   v=arrays["v"].at[1, 40, 1, 0].set(jnp.nan),
-                  g=arrays["g"].at[0, 30, 0, 5].set(jnp.inf),
+                  g=arrays["g"].at[0, 30, 0, 5].set(jnp.nan),
                   beta=arrays["beta"].at[1, 50, 1].set(jnp.nan))
     call_kw = dict(scale=0.1, use_gate_in_kernel=True, A_log=True, dt_bias=True,
                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
@@ -557,6 +557,41 @@ def test_nonfinite_flags_from_the_forward(layout):
         a, b = np.asarray(got["forward"][n], np.float32), np.asarray(got["backward"][n], np.float32)
         assert np.isnan(a).sum() < a.size, f"d{n}: all NaN"
         np.testing.assert_array_equal(a, b, err_msg=f"d{n}")
+
+
+def test_nonfinite_flags_reach_the_backward(monkeypatch):
+    """With nonfinite_flags="forward" the backward reads the forward's flags and
+    not its own: flags that poison a clean token (a stand-in for the forward's
+    computation) zero the cotangent of o at that row and the rows after it in
+    its sequence (so dv there is 0), and move no other sequence or head; with
+    "backward" they are never computed."""
+    from kda_jax import transforms
+
+    B, T, H, K = 2, 40, 2, 16
+    arrays, w_o, w_f = testing.gate_param_inputs(9, B, T, H, K, jnp.dtype(jnp.float32), 1.0,
+                                                 False)
+    arrays["g"] = -jax.nn.softplus(arrays["g"])
+
+    def poisoned_at_row_5(q, k, v, g, beta, **kw):
+        poison = jnp.zeros(beta.shape, bool).at[0, 5, 1].set(True)
+        return poison, jnp.zeros(beta.shape, bool)
+
+    monkeypatch.setattr(transforms, "nonfinite_flags", poisoned_at_row_5)
+    fast = functools.partial(kda_jax.chunk_kda, implementation="triton")
+    got = {}
+    for where in ("backward", "forward"):
+        bwd = configs.replace(configs.backward_config(), {"nonfinite_flags": where})
+        with configs.override(bwd):
+            got[where] = jax.jit(jax.grad(_loss(fast, arrays, dict(scale=0.1), w_o, w_f,
+                                                final=False)))({"v": arrays["v"]})["v"]
+    clean, trusted = np.asarray(got["backward"]), np.asarray(got["forward"])
+    assert np.abs(clean[0, 5:, 1]).min() > 0  # every row has a gradient without the flag
+    # With the flag, row 5 on (head 1, sequence 0) receives no cotangent from o.
+    np.testing.assert_array_equal(trusted[0, 5:, 1], 0.0)
+    assert not np.array_equal(trusted[0, :5, 1], clean[0, :5, 1])  # earlier rows feed them
+    keep = np.ones(clean.shape, bool)
+    keep[0, :, 1] = False
+    np.testing.assert_array_equal(trusted[keep], clean[keep])
 
 
 def _mapped_loss(fn, arrays, call_kw, w_o, w_f):

@@ -42,14 +42,14 @@ def gradients(fn, arrays, w_o, w_f, call_kw, out_dtype=None):
     return jax.jit(jax.grad(loss))(arrays)
 
 
-def fla_gradients(peers: Peers, arrays, w_o, w_f, l2norm: bool):
+def fla_gradients(peers: Peers, arrays, w_o, w_f, scale: float, l2norm: bool):
     """fla's gradients of the same loss on the same arrays (float32 NumPy by name), or
     {"error" / "unavailable": why}."""
     with tempfile.TemporaryDirectory(prefix="kda-gate-precision-") as tmp:
         inputs, out = os.path.join(tmp, "inputs.npz"), os.path.join(tmp, "grads.npz")
         np.savez(inputs, w_o=w_o, w_f=w_f,
                  **{n: np.asarray(arrays[n], np.float32) for n in NAMES})
-        job = dict(job="gradients", inputs=inputs, out=out, scale=0.1, l2norm=bool(l2norm),
+        job = dict(job="gradients", inputs=inputs, out=out, scale=scale, l2norm=bool(l2norm),
                    dtype=jnp.dtype(arrays["q"].dtype).name)
         for row in list(peers.rows(job)):  # to the job's end: the child then takes the next
             if "out" not in row:
@@ -78,7 +78,7 @@ def run(impls, grid, add=None, peers: Peers | None = None) -> list[dict]:
         label = "B{}-T{}-H{}-K{}-{}-n{}-l2{}".format(*case)
         for impl in impls:
             if impl == FLA:
-                got = fla_gradients(peers, arrays, w_o, w_f, l2norm)
+                got = fla_gradients(peers, arrays, w_o, w_f, call_kw["scale"], l2norm)
                 if set(got) != set(NAMES):
                     rows.append(dict(case=label, implementation=impl, **got))
                     if add is not None:
@@ -116,11 +116,12 @@ def main(argv=None):
             sweep.implementation(impl)
     grid = testing.GATE_PARAM_GRID_SMALL if args.small else testing.GATE_PARAM_GRID
     if args.dtypes:
-        wanted = args.dtypes.split(",")
+        wanted, present = args.dtypes.split(","), sorted({case[4] for case in grid})
+        missing = [d for d in wanted if d not in present]
+        if missing:
+            p.error(f"--dtypes {args.dtypes!r}: the grid has no case of {missing} (its "
+                    f"dtypes: {present})")
         grid = tuple(case for case in grid if case[4] in wanted)
-        if not grid:
-            p.error(f"--dtypes {args.dtypes!r}: no case of the grid has these dtypes (it has "
-                    f"{sorted({case[4] for case in testing.GATE_PARAM_GRID})})")
     with Peers() as peers:
         results = Results("bench.diagnostics.gate_precision", argv, args.json, peers=peers)
         run(impls, grid, results.add, peers)

@@ -25,7 +25,8 @@ packed along T and a kernel walks a whole sequence), K and V (a state is one
 all-gathers those operands before the call; the outputs come out sharded as
 above. The gradients of the gate parameters A_log and dt_bias, summed over
 tokens, are psum'd over the batch axes inside the rule: the data-parallel
-reduction every replicated parameter's gradient needs.
+reduction every replicated parameter's gradient needs. The non-finite flags a
+forward keeps for its backward (BackwardConfig.nonfinite_flags) shard as beta does.
 
 Shardy (JAX's default partitioner) propagates through the call by a
 ``sharding_rule`` built from the same roles; the GSPMD callbacks
