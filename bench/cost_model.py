@@ -42,7 +42,8 @@ Nsight Compute durations of ``bench/results/h100-kernel-times.json`` and prints 
 kernel's error; ``--fit REV`` fits to those trees only (the others are predictions).
 ``--tree`` compiles another source tree (``git archive REV kda_jax``; ``kda_jax kernels``
 for a revision with the kernels outside the package) beside the working tree, kernel by
-kernel: the comparison shows what moved the estimate.
+kernel: the comparison names what moved the estimate (:func:`comparison`: the launch's
+occupancy, waves, bound and registers, and each unit's count that changed).
 ``--variant PATH=VALUE[+backward.PATH=VALUE...]`` models the working tree with those
 values of its sm90 ForwardConfig / BackwardConfig changed (paths as
 kda_jax.configs.replace takes them, as bench.sweep's ``triton:PATH=VALUE`` rows time
@@ -604,7 +605,8 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), CHECKOUT]),
                TRITON_CACHE_DIR=out.rsplit("-", 1)[0] + ".triton-cache",
                KDA_COST_CHANGES=changes)
-    env.pop("TRITON_INTERPRET", None)
+    env.pop("TRITON_INTERPRET", None)  # a compile for the target, never the interpreter's
+    env.pop("KDA_JAX_INTERPRET", None)
     code = _COMPILE
     if changes:
         code = code.replace("# (config changes)\n", _CHANGES)
@@ -659,6 +661,49 @@ def report(rows: list[dict], overlap: float) -> str:
             f"{e['waves']:5d}  {total:9.0f} {n['tensor']:6.0f} {n['fp32']:6.0f} "
             f"{n['sfu']:5.0f} {n['int']:5.0f} {n['shuffle']:5.0f} {n['smem']:5.0f} "
             f"{n['barrier']:4.0f}")
+    return "\n".join(lines)
+
+
+# What a comparison names when it moved: the launch, then one warp's instructions by unit,
+# its time, and the bytes against HBM.
+_MOVES = (("occupancy", "estimate"), ("waves", "estimate"), ("bound", "estimate"),
+          ("regs", "launch"), ("programs", "launch"), ("warps", "launch"),
+          ("spills", None), ("tensor_cycles", "counts"), ("fp32", "counts"), ("fp64", "counts"),
+          ("sfu", "counts"), ("int", "counts"), ("shuffle", "counts"), ("smem", "counts"),
+          ("gmem_bytes", "counts"), ("barrier", "counts"), ("warp_cycles", "counts"),
+          ("dram_bytes", "counts"))
+
+
+def moved(base: dict, other: dict, at_least: float = 0.05) -> list[str]:
+    """What differs between two rows of one kernel (each estimated, as ``report`` leaves
+    them): every launch or estimate field that changed, and each count that moved by
+    ``at_least`` relative or more, largest move first."""
+    exact, counted = [], []
+    for name, where in _MOVES:
+        a, b = ((r[where] if where else r).get(name) for r in (base, other))
+        if where == "counts":
+            a, b = float(a or 0), float(b or 0)
+            if max(a, b) and abs(b - a) >= at_least * max(a, b):
+                ratio = b / a if a else float("inf")
+                counted.append((abs(math.log(ratio)) if a and b else float("inf"),
+                                f"{name} {a:.4g} -> {b:.4g} ({ratio:.2f}x)"))
+        elif a != b:
+            exact.append(f"{name} {a} -> {b}")
+    return exact + [text for _, text in sorted(counted, key=lambda c: -c[0])]
+
+
+def comparison(rows: list[dict]) -> str:
+    """Per kernel modelled more than once, each later row against the first: its estimate
+    as a ratio, and what moved it (:func:`moved`). Rows must have been through ``report``."""
+    first, lines = {}, []
+    for r in rows:
+        base = first.setdefault(r["kernel"], r)
+        if base is r:
+            continue
+        ratio = r["estimate"]["us"] / base["estimate"]["us"]
+        lines.append(f"{r['kernel']}: {r['tree']} against {base['tree']}: "
+                     f"{base['estimate']['us']:.1f} -> {r['estimate']['us']:.1f} us "
+                     f"({ratio:.2f}x); " + ("; ".join(moved(base, r)) or "nothing moved"))
     return "\n".join(lines)
 
 
@@ -729,6 +774,9 @@ def main(argv=None):
                  and (fitted is None or os.path.normpath(r["tree"]) in fitted)]
         overlap = fit(known) if known else 1.0
     print(report(rows, overlap))
+    compared = comparison(rows)
+    if compared:
+        print("\nwhat moved:\n" + compared)
     if args.json:
         json.dump(dict(shape=shape, overlap=overlap, hw=SM90, rows=[
             {k: (dict(v) if isinstance(v, collections.Counter) else v)

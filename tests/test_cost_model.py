@@ -5,6 +5,7 @@ occupancy."""
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 
@@ -144,3 +145,24 @@ def test_dram_bytes_counts_each_array_once():
     e = cm.estimate(counts, programs=132, warps=4, regs=64, smem=0, overlap=1.0)
     assert e["bound"] == "memory"
     assert e["memory_us"] == pytest.approx(3e9 / (cm.SM90["dram_gbs"] * 1e3))
+
+
+def test_comparison_names_what_moved_a_config_change(tmp_path, capsys):
+    """The comparison mode end to end on the CPU: the reverse state pass compiled for sm90
+    as shipped and with 32-wide V blocks (--variant), estimated at (1, 8192, 32), and what
+    moved between them named: half the programs, twice the tensor-core work per warp, more
+    registers."""
+    out = tmp_path / "rows.json"
+    cm.main(["--kernels", "kda_bwd_dstate_kernel", "--variant",
+             "backward.dstate.16bit.block_v=32", "--overlap", "2.75", "--out",
+             str(tmp_path / "compiled"), "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tree"] for r in rows] == [".", ".:backward.dstate.16bit.block_v=32"]
+    base, wide = rows
+    assert wide["launch"]["programs"] * 2 == base["launch"]["programs"]
+    assert wide["counts"]["tensor_cycles"] == 2 * base["counts"]["tensor_cycles"]
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("kda_bwd_dstate_kernel: "))
+    programs = base["launch"]["programs"]
+    assert f"programs {programs} -> {programs // 2}" in line and "tensor_cycles" in line
+    assert f"regs {base['launch']['regs']} -> {wide['launch']['regs']}" in line
