@@ -22,7 +22,8 @@
 #             alternating rounds; then bench.diagnostics.pool_drift on the Triton path: $OUT/pool16-drift.json
 #   precision bench.diagnostics.gate_precision: every gradient's relative RMS against the float32
 #             reference at fla's gate grid, for PRECISION_IMPLS (default "triton"; config
-#             variants as bench.sweep names them): $OUT/gate-precision.json
+#             variants as bench.sweep names them; "fla" for fla's own kernels on the same
+#             arrays, which autotune each new shape for minutes): $OUT/gate-precision.json
 #   plot      bench.plot: PNG charts of the JSON written here
 #   tune-forward, tune-backward, tune-decode   the config tuners (bench/tune/)
 #   profile   Nsight Compute on one chunk_kda call (bench.diagnostics.profile_target at PROFILE_SHAPE,
