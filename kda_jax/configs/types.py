@@ -65,9 +65,13 @@ def _check_bool(owner, name, value):
         _fail(owner, name, value, "must be True or False")
 
 
-def _check_dot(owner, name, value, allowed=DOT_MODES, why=""):
+def _check_choice(owner, name, value, allowed, why=""):
     if value not in allowed:
         _fail(owner, name, value, f"must be one of {', '.join(map(repr, allowed))}{why}")
+
+
+def _check_dot(owner, name, value, allowed=DOT_MODES, why=""):
+    _check_choice(owner, name, value, allowed, why)
 
 
 _WARPS = (1, 2, 4, 8, 16)
@@ -247,9 +251,7 @@ class DecodeConfig:
         _check_int(owner, "block_v", self.block_v, power_of_two_from=8)
         _check_int(owner, "warps", self.warps, _WARPS)
         _check_int(owner, "stages", self.stages, minimum=1)
-        if self.state_cast not in STATE_CASTS:
-            _fail(owner, "state_cast", self.state_cast,
-                  f"must be one of {', '.join(map(repr, STATE_CASTS))}")
+        _check_choice(owner, "state_cast", self.state_cast, STATE_CASTS)
 
 
 # --------------------------------------------------------------------------- #
@@ -493,18 +495,10 @@ class BackwardConfig:
         if not isinstance(self.fold, FoldConfig):
             _fail(owner, "fold", self.fold, "must be a FoldConfig")
         _check_int(owner, "gate_fp32_max_k", self.gate_fp32_max_k, minimum=0)
-        if self.chunk_states not in CHUNK_STATES:
-            _fail(owner, "chunk_states", self.chunk_states,
-                  f"must be one of {', '.join(map(repr, CHUNK_STATES))}")
-        if self.normalized_qk not in NORMALIZED_QK:
-            _fail(owner, "normalized_qk", self.normalized_qk,
-                  f"must be one of {', '.join(map(repr, NORMALIZED_QK))}")
-        if self.transform_residuals not in TRANSFORM_RESIDUALS:
-            _fail(owner, "transform_residuals", self.transform_residuals,
-                  f"must be one of {', '.join(map(repr, TRANSFORM_RESIDUALS))}")
-        if self.nonfinite_flags not in NONFINITE_FLAGS:
-            _fail(owner, "nonfinite_flags", self.nonfinite_flags,
-                  f"must be one of {', '.join(map(repr, NONFINITE_FLAGS))}")
+        _check_choice(owner, "chunk_states", self.chunk_states, CHUNK_STATES)
+        _check_choice(owner, "normalized_qk", self.normalized_qk, NORMALIZED_QK)
+        _check_choice(owner, "transform_residuals", self.transform_residuals, TRANSFORM_RESIDUALS)
+        _check_choice(owner, "nonfinite_flags", self.nonfinite_flags, NONFINITE_FLAGS)
 
 
 RECURRENT_VARIANTS = ("dense", "varlen", "wide")
