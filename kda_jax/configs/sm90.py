@@ -51,11 +51,12 @@ BACKWARD_64 = BackwardConfig(
     wy={"bf16": BlockConfig(block_k=16, block_v=32, warps=4, dot="bf16"),
         "fp16": BlockConfig(block_k=32, block_v=32, warps=8, dot="bf16x3"),
         "fp32": BlockConfig(block_k=16, block_v=32, warps=8, dot="tf32x3")},
-    intra={"bf16": IntraConfig(block_k=16, warps=4, dot="tf32", batched_l1=True),
+    intra={"bf16": IntraConfig(block_k=16, warps=4, dot="bf16x3", batched_l1=True),
            "fp16": IntraConfig(block_k=32, warps=8, dot="bf16x3", batched_l1=True),
            "fp32": IntraConfig(block_k=32, warps=8, dot="bf16x3", batched_l1=True)},
     fold=FoldConfig(block_j=128, warps=8, dot="bf16x3"),
-    gate_fp32_max_k=128, chunk_states="work")
+    gate_fp32_max_k=0, chunk_states="work", normalized_qk="input", transform_residuals="recompute",
+    nonfinite_flags="forward")
 
 BACKWARD_32 = BackwardConfig(
     recompute={
