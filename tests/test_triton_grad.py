@@ -571,15 +571,16 @@ def test_transform_residuals_recomputed(dtype):
             assert len(big) <= most, [x.dtype for x in big]  # q, k, v, g (and beta)
 
 
-@pytest.mark.parametrize("layout", ["dense", "varlen", "vmap"])
+@pytest.mark.parametrize("layout", ["dense", "dense-recompute", "varlen", "vmap"])
 def test_nonfinite_flags_from_the_forward(layout):
     """BackwardConfig.nonfinite_flags="forward": the forward of a differentiated
     call keeps the per-token non-finite flags, and the backward takes them
     instead of recomputing them with the transforms. The same gradients, bit for
     bit, as "backward", with hostile entries that poison rows (NaN in k, v,
     the raw gate and beta) and one that spoils a single output (NaN in q),
-    over a dense batch, packed sequences and jax.vmap; and the residual is there
-    only when asked."""
+    over a dense batch, packed sequences and jax.vmap, and with the transforms
+    recomputed in their gradient (transform_residuals="recompute", as sm90
+    ships both); and the residual is there only when asked."""
     B, T, H, K = 2, 70, 2, 16
     arrays, w_o, w_f = testing.gate_param_inputs(7, B, T, H, K, jnp.dtype(jnp.bfloat16), 10.0,
                                                  True)
@@ -599,6 +600,8 @@ def test_nonfinite_flags_from_the_forward(layout):
         call_kw["cu_seqlens"] = np.array([0, 25, 70, 2 * T])
     wrt = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
     base = configs.backward_config()
+    if layout == "dense-recompute":
+        base = configs.replace(base, {"transform_residuals": "recompute"})
     got, saved = {}, {}
     for where in ("backward", "forward"):
         with configs.override(configs.replace(base, {"nonfinite_flags": where})):
