@@ -8,7 +8,8 @@ the CPU: what a design costs before the GPU times it.
 Each kernel is compiled as `python -m bench.aot` compiles it (main spec: bf16, K = V =
 128, chunk 64; Triton's bundled ptxas; the SASS with source lines from nvdisasm). ``--spec
 main/c64/all`` compiles the layer's form instead: the gate, L2 norm and beta sigmoid in
-the kernels, whose backward then takes float32 intermediates (that spec also carries an
+the kernels, whose backward then takes the intermediates sm90's config gives that form
+(16-bit at chunk 64, fla's form; `BackwardConfig.gate_fp32_max_k`) (that spec also carries an
 initial and a final state, a V-first state and negative eigenvalues). Then:
 
 1. **Instructions per warp at the shape.** Every loop of the SASS (a backward branch) is
