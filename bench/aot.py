@@ -241,6 +241,14 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
 
     opts, _, _, has_h0 = _spec_options(spec)
     config = backward_config(target, spec.chunk)
+    # The work dtype of the spec's input dtype, not of the kernels' q, k
+    # (kda_jax.triton.backward.kernel_qk_dtype): where the in-kernel L2 norm
+    # hands the kernels float32 q, k (normalized_qk="fp32") and K is past
+    # gate_fp32_max_k, a call runs float32 intermediates that this compiles as
+    # 16-bit: sm90 chunk 32 at main, large and masked "all" specs, gfx942 at
+    # large "all". Compiled as they run, sm90's float32 state passes at chunk
+    # 32 spill there (large: 72 and 712 bytes; masked: 8 and 56), so the gate
+    # keeps this form until their configs compile without spills.
     work = backward_work_dtype(_in_dtype(spec), opts, config, spec.K)
     if kernel == "kda_bwd_recompute":
         launch = recompute_launch(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,

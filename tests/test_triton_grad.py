@@ -249,11 +249,11 @@ def _sixteen_bit_gate_form(case, config: configs.BackwardConfig, *,
     float32 unless ``normalized_qk="input"``; Triton's interpreter keeps
     them float32)."""
     from kda_jax.options import KdaOptions
-    from kda_jax.triton.backward import backward_work_dtype
+    from kda_jax.triton.backward import backward_work_dtype, kernel_qk_dtype
 
     _, _, _, K, dtype, _, l2norm = case
     opts = KdaOptions(scale=0.1, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=l2norm)
-    kernel_q = jnp.float32 if l2norm and config.normalized_qk != "input" else jnp.dtype(dtype)
+    kernel_q = kernel_qk_dtype(dtype, opts, config)
     return backward_work_dtype(kernel_q, opts, config, K, interpret=interpret).itemsize == 2
 
 

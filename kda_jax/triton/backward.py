@@ -44,7 +44,8 @@ from kda_jax.triton import state_chain
 from kda_jax.triton.partitioning import (CALL, GRAD_CALL, GRADS, PARAMS, partitioned,
                                          unpartitioned_under_vmap)
 
-__all__ = ["chunk_kda_triton_grad", "backward_launches", "backward_work_dtype", "core_backward",
+__all__ = ["chunk_kda_triton_grad", "backward_launches", "backward_work_dtype", "kernel_qk_dtype",
+           "core_backward",
            "recompute_launch", "segmented_backward_launches"]
 
 
@@ -61,11 +62,26 @@ def recompute_launch(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                           has_dt_bias=False, store_x=True)
 
 
+def kernel_qk_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig):
+    """The dtype of the q, k the backward's kernels take for inputs of
+    ``input_dtype`` (:func:`_kernel_qk`): the in-kernel L2 norm's float32
+    output, rounded back to a 16-bit input's dtype where
+    ``config.normalized_qk`` is "input"; without the norm, the inputs' own.
+    :func:`backward_work_dtype` of this is the backward's work dtype."""
+    dtype = jnp.dtype(input_dtype)
+    if not opts.use_qk_l2norm_in_kernel:
+        return dtype
+    if config.normalized_qk == "input" and dtype.itemsize == 2:
+        return dtype
+    return jnp.dtype(jnp.float32)
+
+
 def backward_work_dtype(input_dtype, opts: KdaOptions, config: BackwardConfig, kd: int, *,
                         interpret: bool = False):
     """The dtype of the backward's intermediates (the recompute's w, u, qg, kt,
-    Aqk; v_new and dv_new): :func:`kda_jax.triton.forward.work_dtype`, or
-    float32 with the in-kernel gate for K up to ``config.gate_fp32_max_k``
+    Aqk; v_new and dv_new) for kernel inputs q, k of ``input_dtype`` (from a
+    call's inputs: :func:`kernel_qk_dtype`): :func:`kda_jax.triton.forward.work_dtype`,
+    or float32 with the in-kernel gate for K up to ``config.gate_fp32_max_k``
     (16-bit ones put the gate parameters' gradients above 1e-3:
     configs.BackwardConfig)."""
     if opts.use_gate_in_kernel and kd <= config.gate_fp32_max_k:
@@ -477,14 +493,13 @@ _chunk_kda.defvjp(_fwd, _bwd)
 
 
 def _kernel_qk(q, k, q_dtype, k_dtype, opts: KdaOptions, config: BackwardConfig):
-    """The (transformed) q, k the backward's kernels take: the in-kernel
+    """The (transformed) q, k the backward's kernels take, in
+    :func:`kernel_qk_dtype` of the caller's dtypes: the in-kernel
     L2-normalized ones are float32, each rounded to its caller's 16-bit dtype
     where ``config.normalized_qk`` is "input" (then the intermediates are
     16-bit)."""
-    if not opts.use_qk_l2norm_in_kernel or config.normalized_qk != "input":
-        return q, k
-    rounded = lambda x, dtype: x.astype(dtype) if jnp.dtype(dtype).itemsize == 2 else x
-    return rounded(q, q_dtype), rounded(k, k_dtype)
+    return (q.astype(kernel_qk_dtype(q_dtype, opts, config)),
+            k.astype(kernel_qk_dtype(k_dtype, opts, config)))
 
 
 def _transforms_on(opts: KdaOptions) -> bool:
