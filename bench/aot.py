@@ -61,9 +61,13 @@ __all__ = ["TARGETS", "SPECS", "SUMMARY_SPEC", "Spec", "compile_one", "plan_one"
 
 KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # The backward's kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
-# kda_jax.triton.backward.backward_launches gives them.
+# kda_jax.triton.backward.backward_launches gives them: the inter and wy
+# kernels, or where the target's config sets fused_inter_wy their work in one
+# (the other form has no row there).
 BWD_KERNELS = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
-               "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
+               "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_inter_wy_kernel",
+               "kda_bwd_intra_kernel")
+_INTER_WY = ("kda_bwd_inter_kernel", "kda_bwd_wy_kernel")
 # The decode kernel (kda_jax.kernels.fused_recurrent), at recurrent_constexprs'.
 DECODE_KERNELS = ("kda_fused_recurrent_kernel",)
 # The segmented state chain at the launches kda_jax.triton.forward.segmented_launches
@@ -143,6 +147,7 @@ POOL_KERNELS = ("kda_fwd_state_output_kernel", "kda_fused_recurrent_kernel")
 # The backward's launches whose "state" arguments are the per-chunk states h and
 # dS, in BackwardConfig.chunk_states' dtype (kda_bwd_dstate_own stores none).
 CHUNK_STATE_KERNELS = ("kda_bwd_state_kernel", "kda_bwd_dstate_kernel", "kda_bwd_inter_kernel",
+                       "kda_bwd_inter_wy_kernel",
                        "kda_bwd_state_seg", "kda_bwd_dstate_seg")
 # The spec whose pool is bfloat16 (the rounding store compiled on every
 # target): one existing spec rather than new rows, for CI time; its decode
@@ -233,7 +238,9 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
 
 
 def _bwd_launch_for(kernel: str, target: str, spec: Spec):
-    """_launch_for of a backward kernel (config: configs.BACKWARD[target])."""
+    """_launch_for of a backward kernel (config: configs.BACKWARD[target]), or
+    None where the config does not launch it (the inter and wy kernels, or
+    their fused form: BackwardConfig.inter_wy_for)."""
     import jax.numpy as jnp
 
     from kda_jax.configs import backward_config
@@ -257,7 +264,9 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
         launch = backward_launches(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
                                    config=config, has_initial_state=has_h0,
                                    has_final_grad=opts.output_final_state,
-                                   work=work)[kernel]
+                                   work=work).get(kernel)
+        if launch is None:
+            return None
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
@@ -308,7 +317,10 @@ _SEGMENT_STATE_PASSES = ("kda_fwd_state_output_seg", "kda_bwd_state_seg", "kda_b
 def applies(kernel: str, target: str, spec: Spec) -> bool:
     """Whether ``kernel`` has a row at ``spec``: the segmented chain's launches
     only where its state pass holds the state whole (and its state passes at
-    chunk 64); every other kernel everywhere."""
+    chunk 64); the inter and wy kernels, or their fused form, as the target's
+    config launches them (fused_inter_wy); every other kernel everywhere."""
+    if kernel in _INTER_WY + ("kda_bwd_inter_wy_kernel",):
+        return _bwd_launch_for(kernel, target, spec) is not None
     if kernel not in SEGMENT_KERNELS:
         return True
     if kernel in _SEGMENT_STATE_PASSES and spec.chunk != 64:
@@ -324,7 +336,10 @@ def _launch_for(kernel: str, target: str, spec: Spec):
             raise ValueError(f"{kernel} does not run at {spec.name}: its state pass splits K")
         return found
     if kernel in BWD_KERNELS:
-        return _bwd_launch_for(kernel, target, spec)
+        found = _bwd_launch_for(kernel, target, spec)
+        if found is None:
+            raise ValueError(f"{kernel} does not run at {spec.name} under {target}'s config")
+        return found
     if kernel in DECODE_KERNELS:
         return _decode_launch_for(kernel, target, spec)
     import jax.numpy as jnp
@@ -702,6 +717,7 @@ _SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "s
           "kda_bwd_dstate_kernel": "bwd_dstate",
           "kda_bwd_inter_kernel": "bwd_inter",
           "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra",
+          "kda_bwd_inter_wy_kernel": "bwd_inter_wy",
           "kda_segment_map_kernel": "seg_map", "kda_segment_fold_kernel": "seg_fold",
           "kda_segment_map_bwd": "seg_map_bwd", "kda_segment_fold_bwd": "seg_fold_bwd",
           "kda_segment_fold_reverse": "seg_fold_rev",

@@ -451,7 +451,8 @@ def grid(kernel: str, c: dict, v: dict) -> int:
     """Programs of ``kernel``'s launch (constexprs ``c``) at the shape values ``v``."""
     hv, rows, seqs = v["heads"], v["chunk_rows"], v["n_seqs"]
     blocks = lambda n, b: -(-n // b)
-    if kernel in ("kda_fwd_prepare_kernel", "kda_bwd_recompute", "kda_bwd_wy_kernel"):
+    if kernel in ("kda_fwd_prepare_kernel", "kda_bwd_recompute", "kda_bwd_wy_kernel",
+                  "kda_bwd_inter_wy_kernel"):
         return rows * hv
     if kernel in ("kda_fwd_state_output_kernel", "kda_bwd_state_kernel",
                   "kda_bwd_dstate_kernel"):
@@ -514,7 +515,8 @@ FORWARD = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # the layer's form.
 SPECS = ("main/c64/default", "main/c64/all")
 BACKWARD = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
-            "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel")
+            "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_inter_wy_kernel",
+            "kda_bwd_intra_kernel")
 
 
 # --------------------------------------------------------------------------- #
@@ -593,7 +595,8 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
     """Compiles ``kernel`` of the tree for ``target`` in a child process (its own kda_jax);
     returns the launch fields and the code: "sass" on sm90, "asm" (AMDGCN) on AMD.
     ``reuse``: an earlier compile's files at ``out``. ``changes``: the target's config
-    fields to change first (``--variant``)."""
+    fields to change first (``--variant``). None where that config does not launch
+    the kernel (the inter and wy kernels or their fused form)."""
     key, suffix = ("sass", ".sass") if target == "sm90" else ("asm", ".s")
     if reuse and os.path.exists(out + suffix) and os.path.exists(out + ".json"):
         row = json.load(open(out + ".json"))
@@ -614,6 +617,8 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
     subprocess.run([sys.executable, "-c", code, kernel, spec, out, target], env=env,
                    check=True, cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL)
     row = json.load(open(out + ".json"))
+    if not os.path.exists(out + suffix) and "does not run" in str(row.get("error")):
+        return None  # the config launches another form (bench.aot.applies)
     if not os.path.exists(out + suffix):
         raise RuntimeError(f"{tree}: {kernel} did not compile for {target}: {row.get('error')}")
     row[key] = open(out + suffix).read()
@@ -624,6 +629,8 @@ def model_kernel(tree: str, kernel: str, shape: tuple, out: str,
                  untaken: set[str] = frozenset(), reuse: bool = False,
                  changes: str = "", spec: str = "main/c64/default") -> dict:
     row = compile_kernel(tree, kernel, spec, out, reuse, changes)
+    if row is None:
+        return None
     instrs, loops = parse(row["sass"])
     c = row["constexprs"] or {}
     values = shape_values(*shape, bt=c.get("BT", 64))
@@ -765,6 +772,9 @@ def main(argv=None):
             skip = {w if w.startswith("/") else os.path.join(src, "kda_jax", "kernels", w)
                     for w in untaken.get(name, ())}
             r = model_kernel(tree, kernel, shape, out, skip, args.reuse, changes, args.spec)
+            if r is None:
+                print(f"{kernel} does not run under {label}", file=sys.stderr)
+                continue
             r["measured_us"] = None if changes else measured.get(name, {}).get(kernel)
             rows.append(r)
             print(f"compiled {kernel} ({label})", file=sys.stderr)

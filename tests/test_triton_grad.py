@@ -482,6 +482,98 @@ def test_chunk_states_config_names_its_values():
         dataclasses.replace(configs.backward_config("sm90"), chunk_states="bf16")
 
 
+def _launched(monkeypatch) -> list:
+    """The names of the backward's kernel launches from here on (traced ones)."""
+    from kda_jax.triton import backward
+
+    names, launch = [], backward.launch_kernel
+
+    def record(spec, **kw):
+        names.append(spec.kernel)
+        return launch(spec, **kw)
+
+    monkeypatch.setattr(backward, "launch_kernel", record)
+    return names
+
+
+def _fused_inter_wy(chunk: int):
+    """The backward config at ``chunk`` with the inter and wy kernels fused for
+    every intermediates' dtype (their fields taken from the two kernels')."""
+    return dataclasses.replace(configs.backward_config(chunk_size=chunk), inter_wy=None,
+                               fused_inter_wy=True)
+
+
+# The suite's gradient cases through the fused inter and wy kernel: varlen with
+# empty and one-token sequences, GVA, a V-first state, K and V not powers of
+# two, the in-kernel transforms, chunks of 64 and 32, with and without states.
+FUSED_INTER_WY_CASES = ("grad-B2-T80-K20-V28-c32", "grad-gate-lb2-T66-V24",
+                        "grad-HV2H-v-first-scale-K24", "grad-K60-V100-HV2H-c32",
+                        "grad-varlen-empty-len1-c32", "grad-K100-V16-v-first",
+                        "grad-l2norm-sigmoid-negeig-c32", "grad-varlen-no-h0")
+
+
+@pytest.mark.parametrize("name", FUSED_INTER_WY_CASES)
+def test_fused_inter_wy_matches_reference(name, monkeypatch, check_close, check_rel_rms):
+    """BackwardConfig.fused_inter_wy: the state terms and the terms through X
+    in one kernel (M = dv_new v_new^T, dw in registers), at the suite's bars
+    against the float32 reference; the fused kernel runs and the two it
+    replaces do not."""
+    launched = _launched(monkeypatch)
+    _suite_grads(name, check_close, check_rel_rms, _fused_inter_wy(testing.case(name).C))
+    assert "kda_bwd_inter_wy_kernel" in launched, launched
+    assert not {"kda_bwd_inter_kernel", "kda_bwd_wy_kernel"} & set(launched), launched
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fused_inter_wy_16bit(dtype, monkeypatch, sixteen_bit_intermediates):
+    """The fused inter and wy kernel with 16-bit intermediates (emulated in
+    the interpreter, native on a GPU): against autodiff of the float32
+    reference, each gradient within the 16-bit bar, or within 1.3x the
+    error of the two kernels apart where that is larger (the interpreter
+    rounds every 16-bit operation). Its dL takes M = dv_new v_new^T where
+    the wy kernel sums dv_new u^T and dw w^T, so the two differ."""
+    cu = np.array([0, 70, 70, 71, 140])
+    x = make_inputs(7, T=140, H=1, HV=2, K=32, V=16, N=4, dtype=jnp.dtype(dtype))
+    call_kw = dict(cu_seqlens=cu)
+    w_o, w_f = _weights(x, call_kw)
+    arrays = _arrays(x)
+    ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items() if a is not None}
+    ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f,
+                                 out_dtype=jnp.dtype(dtype))))({n: ref_arrays[n] for n in ALL})
+    fast = functools.partial(kda_jax.chunk_kda, implementation="triton", chunk_size=64)
+    bars = TOL_BF16  # fla's 16-bit bars, for either 16-bit dtype
+    launched = _launched(monkeypatch)
+    got, err = {}, {}
+    for form, bwd in (("fused", _fused_inter_wy(64)),
+                      ("apart", configs.backward_config(chunk_size=64))):
+        with configs.override(bwd):
+            got[form] = jax.jit(jax.grad(_loss(fast, arrays, call_kw, w_o, w_f)))(
+                {n: arrays[n] for n in ALL})
+        err[form] = {n: _rel_rms(got[form][n], ref[n]) for n in ALL}
+    assert "kda_bwd_inter_wy_kernel" in launched and "kda_bwd_wy_kernel" in launched, launched
+    over = [f"d{n}: {err['fused'][n]:.3e} (apart {err['apart'][n]:.3e}, bar {bars[n]:.0e})"
+            for n in ALL if err["fused"][n] > max(bars[n], 1.3 * err["apart"][n])]
+    assert not over, "; ".join(over)
+
+
+def test_inter_wy_config_names_its_values():
+    """The fused inter and wy kernel's config: partial variants are allowed
+    (the others run the two kernels), bad values are named."""
+    base = configs.backward_config("sm90")
+    one = dataclasses.replace(base, fused_inter_wy=True, inter_wy={"bf16": configs.InterWyConfig(
+        block_k=16, block_v=32, warps=4, dot="ieee", x_dot="bf16")})
+    assert one.inter_wy_for("bfloat16", 128).block_k == 16
+    assert one.inter_wy_for("float32", 128) is None
+    assert dataclasses.replace(one, fused_inter_wy=False).inter_wy_for("bfloat16", 128) is None
+    with pytest.raises(ValueError, match="fused_inter_wy=1 must be True or False"):
+        dataclasses.replace(base, fused_inter_wy=1)
+    with pytest.raises(ValueError, match=r"inter_wy\['fp32'\].x_dot='bf16'.*float32-grade"):
+        dataclasses.replace(base, inter_wy={"fp32": configs.InterWyConfig(
+            block_k=16, block_v=32, warps=4, dot="ieee", x_dot="bf16")})
+    with pytest.raises(ValueError, match="InterWyConfig: block_k=24 must be a power of two"):
+        configs.InterWyConfig(block_k=24, block_v=32, warps=4, dot="ieee", x_dot="bf16")
+
+
 @pytest.mark.parametrize("dtype", ["float16"])
 def test_normalized_qk_in_the_input_dtype(dtype, sixteen_bit_intermediates):
     """BackwardConfig.normalized_qk="input": with the in-kernel L2 norm the

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Generic, Iterator, Mapping, TypeVar
 
 __all__ = ["DOT_MODES", "Variants", "variant_key", "PrepareConfig", "StateConfig", "BlockConfig",
-           "IntraConfig", "FoldConfig", "DecodeConfig", "SegmentRule", "ForwardConfig",
+           "IntraConfig", "InterWyConfig", "FoldConfig", "DecodeConfig", "SegmentRule", "ForwardConfig",
            "BackwardConfig", "RecurrentConfig", "SegmentConfig", "as_dict", "replace"]
 
 # Product precisions: the kernels' DOT constexprs, tl.dot's input_precision names and
@@ -209,6 +209,33 @@ class IntraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InterWyConfig:
+    """The inter and wy kernels' work in one launch
+    (``kda_bwd_inter_wy_kernel``; grid chunks x heads, looping over V
+    blocks of ``block_v``, then K blocks of ``block_k``).
+
+    dot: the state terms' products with float32 intermediates (BlockConfig's
+      inter ``dot``: "ieee" for 16-bit ones, exact).
+    x_dot: the products with X^T and of the cotangents with v_new (the wy
+      kernel's ``dot``; the "fp32" variant float32-grade).
+    """
+
+    block_k: int
+    block_v: int
+    warps: int
+    dot: str
+    x_dot: str
+
+    def __post_init__(self):
+        owner = "InterWyConfig"
+        _check_int(owner, "block_k", self.block_k, power_of_two_from=16)
+        _check_int(owner, "block_v", self.block_v, power_of_two_from=16)
+        _check_int(owner, "warps", self.warps, _WARPS)
+        _check_dot(owner, "dot", self.dot)
+        _check_dot(owner, "x_dot", self.x_dot)
+
+
+@dataclasses.dataclass(frozen=True)
 class FoldConfig:
     """The fold over segments (``kda_segment_fold_kernel``): it walks each
     sequence's segments, reading the [K, K] maps in column slices of
@@ -316,9 +343,10 @@ def variant_key(variants: Mapping[str, object], work: str, kd: int) -> str:
 
 def _variants(owner: str, name: str, value, kind: type, *, wide: bool, exact16: bool = False,
               keys=("16bit", "16bit_wide", "bf16", "fp16", "fp16_wide", "bf16_wide", "fp32",
-                    "fp32_wide")):
+                    "fp32_wide"), complete: bool = True):
     """``value`` (a dict or Variants of ``kind``) as Variants, checked: every
-    key known, every config a ``kind``, every dtype covered (past K = 128
+    key known, every config a ``kind``, every dtype covered unless not
+    ``complete`` (past K = 128
     too when ``wide``: its own variants, whose stages must be 1); with
     ``exact16``, the 16-bit variants' products "ieee" (a kernel that
     multiplies 16-bit intermediates exactly: another mode would round them)."""
@@ -329,7 +357,7 @@ def _variants(owner: str, name: str, value, kind: type, *, wide: bool, exact16: 
             _fail(owner, name, value, f"has the variant {key!r}; known: {', '.join(keys)}")
         if not isinstance(config, kind):
             _fail(owner, f"{name}[{key!r}]", config, f"must be a {kind.__name__}")
-    for work in WORK_KEYS:
+    for work in WORK_KEYS if complete else ():
         for kd in (128, 256) if wide else (128,):
             try:
                 key = variant_key(value, work, kd)
@@ -400,6 +428,18 @@ class ForwardConfig:
             _fail(owner, "fold", self.fold, "must be a FoldConfig")
 
 
+def inter_wy_from(inter: Mapping, wy: Mapping) -> Variants:
+    """The fused inter and wy kernel's configs ("bf16", "fp16", "fp32") taken
+    from the two kernels it replaces: the wy kernel's blocks, warps and
+    products with X^T, the inter kernel's state products."""
+    out = {}
+    for key, work in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
+        ic, wc = inter[variant_key(inter, work, 128)], wy[variant_key(wy, work, 128)]
+        out[key] = InterWyConfig(block_k=wc.block_k, block_v=wc.block_v, warps=wc.warps,
+                                 dot=ic.dot, x_dot=wc.dot)
+    return Variants(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
     """The backward's kernels (kda_jax.kernels.chunk_bwd), each by variant
@@ -419,6 +459,11 @@ class BackwardConfig:
       matrices and gradients.
     fold: the transposed fold over segments (the backward's map runs at its
       state pass's launch).
+    inter_wy: the inter and wy kernels' work in one launch ("bf16", "fp16",
+      "fp32", or some of them), which runs in their place where
+      ``fused_inter_wy`` is True and it has the intermediates' variant
+      (:meth:`inter_wy_for`); by default every variant, its fields the two
+      kernels' (:func:`inter_wy_from`).
     gate_fp32_max_k: with the in-kernel gate (use_gate_in_kernel), 16-bit
       inputs get float32 intermediates, as float32 inputs do, for K up to
       this (0: never). The gate parameters' gradients (dA_log, ddt_bias) sum
@@ -462,6 +507,9 @@ class BackwardConfig:
       H100, at about 0.4 TB/s); or "forward", by the forward of a
       differentiated call from the raw inputs, kept as one int8 [B, T, HV]
       residual (a forward without a gradient computes nothing more).
+    fused_inter_wy: the state terms and the terms through X in one launch
+      (``inter_wy``) rather than two (``inter``, ``wy``): dw and the inter
+      kernel's partial gradients stay in registers.
     """
 
     recompute: Mapping[str, PrepareConfig]
@@ -476,6 +524,8 @@ class BackwardConfig:
     normalized_qk: str = "fp32"
     transform_residuals: str = "saved"
     nonfinite_flags: str = "backward"
+    inter_wy: Mapping[str, InterWyConfig] | None = None
+    fused_inter_wy: bool = False
 
     def __post_init__(self):
         owner = "BackwardConfig"
@@ -499,6 +549,25 @@ class BackwardConfig:
         _check_choice(owner, "normalized_qk", self.normalized_qk, NORMALIZED_QK)
         _check_choice(owner, "transform_residuals", self.transform_residuals, TRANSFORM_RESIDUALS)
         _check_choice(owner, "nonfinite_flags", self.nonfinite_flags, NONFINITE_FLAGS)
+        if self.inter_wy is None:
+            _set(self, "inter_wy", inter_wy_from(self.inter, self.wy))
+        _set(self, "inter_wy", _variants(owner, "inter_wy", self.inter_wy, InterWyConfig,
+                                         wide=False, complete=False))
+        if "fp32" in self.inter_wy:
+            _check_dot(owner, "inter_wy['fp32'].x_dot", self.inter_wy["fp32"].x_dot,
+                       FP32_GRADE, " (float32-grade: the products with X in float32 work)")
+        _check_bool(owner, "fused_inter_wy", self.fused_inter_wy)
+
+    def inter_wy_for(self, work: str, kd: int) -> InterWyConfig | None:
+        """The fused inter and wy kernel's config for intermediates of dtype
+        name ``work`` at K = ``kd``, or None where the two kernels run apart
+        (``fused_inter_wy`` off, or no variant of ``inter_wy`` for it)."""
+        if not self.fused_inter_wy:
+            return None
+        try:
+            return self.inter_wy[variant_key(self.inter_wy, work, kd)]
+        except KeyError:
+            return None
 
 
 RECURRENT_VARIANTS = ("dense", "varlen", "wide")

@@ -282,19 +282,39 @@ def kda_bwd_inter_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    """The terms that go through the state, for one chunk and K block:
-    dqg = do h^T, dw = -dv_new h^T, dkt = v_new dS^T and dgl = sum_V(dS h),
-    written as partial dq, dk, dG (fp32) and dw. dG's row n_rows - 1 also
-    carries the gradient of G_last, which the reverse cumsum of the intra
-    kernel hands to every row of the chunk."""
+    """The terms that go through the state (_state_terms), for one chunk and
+    K block, written as partial dq, dk, dG (fp32) and dw."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
                                                   n_tokens, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    i_c64 = i_c.to(tl.int64)
+    b_dq, b_dk, b_dG, b_dw, _, _, _, _ = _state_terms(
+        q, k, gc, g, h, dh, vn, dvn, do, i_c, i_h, i_hv, t0, n_rows, o_t, rows, m_t, r64, o_k,
+        m_k, H, HV, K, V, BT, BV, SCALE, DOT)
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    tl.store(dq + p_tk, b_dq, mask=m_tk)
+    tl.store(dk + p_tk, b_dk, mask=m_tk)
+    tl.store(dg + p_tk, b_dG, mask=m_tk)
+    tl.store(dw + p_tk, b_dw, mask=m_tk)
 
+
+@triton.jit
+def _state_terms(q, k, gc, g, h, dh, vn, dvn, do, i_c, i_h, i_hv, t0, n_rows, o_t, rows, m_t,
+                 r64, o_k, m_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+                 DOT: tl.constexpr):
+    """The terms that go through the state, for one chunk and the K block
+    o_k: dqg = do h^T, dw = -dv_new h^T, dkt = v_new dS^T and
+    dgl = sum_V(dS h), turned into (dq, dk, dG, dw) [BT, BK] fp32 (dq, dk,
+    dG partial), and the tiles it loaded after the products: q, k, the
+    log-decays g and e^G (the fused kernel's other terms take them; the
+    inter kernel drops them). dG's row n_rows - 1 also carries the gradient
+    of G_last, which the reverse cumsum hands to every row of the chunk."""
+    BK: tl.constexpr = o_k.shape[0]
+    i_c64 = i_c.to(tl.int64)
     b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
@@ -321,7 +341,8 @@ def kda_bwd_inter_kernel(
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
     b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
     b_eg = tl.exp(b_G)
-    _, b_sfx, _, _, _, _ = chunk_exponents(tile(g, rows, m_t, i_hv, o_k, m_k, HV, K))
+    b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+    _, b_sfx, _, _, _, _ = chunk_exponents(b_g)
     b_et = tl.exp(b_sfx)
     b_kt = b_k * b_et
     b_dq = b_dqg * b_eg * SCALE
@@ -334,13 +355,7 @@ def kda_bwd_inter_kernel(
     b_dG = b_dqg * b_q * b_eg * SCALE - b_dkte
     b_dlast = tl.sum(b_dkte, axis=0) + b_dgl * tl.exp(b_last)
     b_dG += tl.where(o_t[:, None] == n_rows - 1, b_dlast[None, :], 0.)
-
-    m_tk = m_t[:, None] & m_k[None, :]
-    p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    tl.store(dq + p_tk, b_dq, mask=m_tk)
-    tl.store(dk + p_tk, b_dk, mask=m_tk)
-    tl.store(dg + p_tk, b_dG, mask=m_tk)
-    tl.store(dw + p_tk, b_dw, mask=m_tk)
+    return b_dq, b_dk, b_dG, b_dw, b_q, b_k, b_g, b_eg
 
 
 @triton.jit
@@ -466,6 +481,15 @@ def _xt_dot(x, b, t0, n_rows, r64, m_t, i_hv, o_c, m_c, HV: tl.constexpr, N: tl.
 
 
 @triton.jit
+def _b_terms(b_dB, b_k, b_eg, b_b):
+    """B = beta k e^G back to k, G and beta from dB = X^T dw ([BT, BK]; b_eg =
+    e^G, b_b = beta [BT]): (dk, dG, dbeta) terms, the last summed over the
+    K block ([BT])."""
+    b_keg = b_k * b_eg
+    return b_dB * b_b[:, None] * b_eg, b_dB * b_keg * b_b[:, None], tl.sum(b_dB * b_keg, axis=1)
+
+
+@triton.jit
 def kda_bwd_wy_kernel(
     k, v, gc, beta, x, w, u, vn, dvn, do, dk_p, dg_p, dw, meta, off_cu, off_ct, n_bounds,
     n_tokens,
@@ -529,17 +553,73 @@ def kda_bwd_wy_kernel(
         b_m += _dot_16(b_dw, tl.trans(b_w), DOT_X)
         b_dB = _xt_dot(x, dw, t0, n_rows, r64, m_t, i_hv, o_k, m_k, HV, K, BT, BK, DOT_X)
         b_G, _ = _decay(gc, t0, n_rows, rows, m_t, i_hv, o_k, m_k, BT, HV, K)
-        b_eg = tl.exp(b_G)
-        b_keg = tile(k, rows, m_t, i_h, o_k, m_k, H, K) * b_eg
-        b_db += tl.sum(b_dB * b_keg, axis=1)
-        b_dk = tl.load(dk_p + p_tk, mask=m_tk, other=0.) + b_dB * b_b[:, None] * b_eg
-        b_dG = tl.load(dg_p + p_tk, mask=m_tk, other=0.) + b_dB * b_keg * b_b[:, None]
-        tl.store(dk_w + p_tk, b_dk, mask=m_tk)
-        tl.store(dg_w + p_tk, b_dG, mask=m_tk)
+        e_dk, e_dG, e_db = _b_terms(b_dB, tile(k, rows, m_t, i_h, o_k, m_k, H, K),
+                                    tl.exp(b_G), b_b)
+        b_db += e_db
+        tl.store(dk_w + p_tk, tl.load(dk_p + p_tk, mask=m_tk, other=0.) + e_dk, mask=m_tk)
+        tl.store(dg_w + p_tk, tl.load(dg_p + p_tk, mask=m_tk, other=0.) + e_dG, mask=m_tk)
 
     b_dl = dot(_x_transposed(x, p_tt, m_t), b_m, DOT_X)
     tl.store(dl + p_tt, tl.where(o_t[:, None] > o_t[None, :], -b_dl, 0.), mask=m_t[:, None])
     tl.store(dbeta + r64 * HV + i_hv, b_db, mask=m_t)
+
+
+@triton.jit
+def _product_terms(b_q, b_k, b_g, b_b, dl, daqk, t0, n_rows, o_t, r64, m_t, i_hv,
+                   HV: tl.constexpr, BT: tl.constexpr, DOT_A: tl.constexpr,
+                   BATCHED: tl.constexpr):
+    """The intra-chunk products back to q, k and G over one K slice: (dq,
+    dk, dG) terms [BT, BK] and dbeta's term summed over the slice [BT].
+    b_q, b_k, b_g (log-decays) [BT, BK], b_b = beta; dL and scale * dAqk
+    are the chunk's rows of dl and daqk [T, HV, BT] fp32, loaded here (with
+    BATCHED, level 1's diagonal blocks as such: _level1_blocks).
+
+    dAqk's diagonal (factor e^(G_i - G_i) = 1) goes to dq and dk only: its
+    exponent does not depend on G, and adding its O(1) term to dG_i from the
+    row side and subtracting it from the column side would leave float32
+    residue where the true dG is below 1e-16 (fully decayed channels)."""
+    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
+    b_dd = tl.load(daqk + (r64 * HV + i_hv) * BT + o_t, mask=m_t, other=0.)
+    b_dl = tl.load(dl + p_tt, mask=m_t[:, None], other=0.)
+    b_daqs = tl.load(daqk + p_tt, mask=m_t[:, None] & (o_t[:, None] != o_t[None, :]), other=0.)
+    b_dl1 = b_dl
+    b_daqs1 = b_daqs
+    if BATCHED:
+        b_dl1 = _level1_blocks(dl, t0, n_rows, i_hv, HV, BT)
+        b_daqs1 = _level1_blocks(daqk, t0, n_rows, i_hv, HV, BT)
+    e_dq, e_dk, e_p = _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, b_dl1, b_daqs1,
+                                             o_t, DOT_A, BATCHED)
+    b_dG = e_p * b_b[:, None] * b_k + e_dq * b_q - e_dk * b_k
+    return (e_dq + b_dd[:, None] * b_k, e_dk + e_p * b_b[:, None] + b_dd[:, None] * b_q, b_dG,
+            tl.sum(e_p * b_k, axis=1))
+
+
+@triton.jit
+def _finish_k_block(q, k, g, dl, daqk, dq_p, dk_p, dg_p, dq, dk, dg, b_b, i_h, i_hv, t0, n_rows,
+                    o_t, rows, m_t, r64, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, BT: tl.constexpr, DOT_A: tl.constexpr,
+                    BATCHED: tl.constexpr):
+    """The K block o_k of a chunk finished: the products' terms
+    (_product_terms) added to the partial dq, dk, dG (dq_p, dk_p, dg_p
+    [T, HV, K] fp32, loaded after the products: fewer tiles live), dg the
+    reverse cumsum of dG; stores dq, dk, dg and returns dbeta's term [BT]."""
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
+    b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
+    # The forward's factors come from the (floored) log-decays
+    # (common.chunk_exponents).
+    b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
+    e_dq, e_dk, e_dG, b_db = _product_terms(b_q, b_k, b_g, b_b, dl, daqk, t0, n_rows, o_t, r64,
+                                            m_t, i_hv, HV, BT, DOT_A, BATCHED)
+    b_dk = tl.load(dk_p + p_tk, mask=m_tk, other=0.) + e_dk
+    b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.) + e_dq
+    b_dG = tl.load(dg_p + p_tk, mask=m_tk, other=0.) + e_dG
+    b_dg = tl.cumsum(tl.where(m_tk, b_dG, 0.), axis=0, reverse=True)
+    tl.store(dq + p_tk, b_dq, mask=m_tk)
+    tl.store(dk + p_tk, b_dk, mask=m_tk)
+    tl.store(dg + p_tk, b_dg, mask=m_tk)
+    return b_db
 
 
 @triton.jit
@@ -556,12 +636,7 @@ def kda_bwd_intra_kernel(
     reverse cumsum of dG. Writes the final dq, dk, dg and dbeta's share
     sum over K of k_i * sum_j dL_ij k_j e^(G_i - G_j): dbeta_k [T, HV, NK],
     one column per program along K. BATCHED_L1: level 1's products batched
-    over diagonal blocks (_anchored_products_bwd).
-
-    dAqk's diagonal (factor e^(G_i - G_i) = 1) goes to dq and dk only: its
-    exponent does not depend on G, and adding its O(1) term to dG_i from the
-    row side and subtracting it from the column side would leave float32
-    residue where the true dG is below 1e-16 (fully decayed channels)."""
+    over diagonal blocks (_anchored_products_bwd)."""
     # A chunk's K blocks are neighbours in the grid: they read the same dL and
     # dAqk tiles, which then come from L2.
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -569,38 +644,80 @@ def kda_bwd_intra_kernel(
     i_h = i_hv // (HV // H)
     t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
                                                   n_tokens, BT)
-    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
-    m_tt = m_t[:, None]
     b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
-    b_k = tile(k, rows, m_t, i_h, o_k, m_k, H, K)
-    # The forward's factors come from the (floored) log-decays
-    # (common.chunk_exponents).
-    b_g = tile(g, rows, m_t, i_hv, o_k, m_k, HV, K)
-    b_dd = tl.load(daqk + (r64 * HV + i_hv) * BT + o_t, mask=m_t, other=0.)
-    b_dl = tl.load(dl + p_tt, mask=m_tt, other=0.)
-    b_daqs = tl.load(daqk + p_tt, mask=m_tt & (o_t[:, None] != o_t[None, :]), other=0.)
-    b_dl1 = b_dl
-    b_daqs1 = b_daqs
-    if BATCHED_L1:
-        b_dl1 = _level1_blocks(dl, t0, n_rows, i_hv, HV, BT)
-        b_daqs1 = _level1_blocks(daqk, t0, n_rows, i_hv, HV, BT)
-    e_dq, e_dk, e_p = _anchored_products_bwd(b_q, b_k, b_g, b_b, b_dl, b_daqs, b_dl1, b_daqs1,
-                                             o_t, DOT_A, BATCHED_L1)
-    # The partials are loaded after the products (fewer tiles live).
-    b_db = tl.sum(e_p * b_k, axis=1)
-    b_dk = tl.load(dk_w + p_tk, mask=m_tk, other=0.) + e_dk + e_p * b_b[:, None]
-    b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.) + e_dq
-    b_dG = (tl.load(dg_w + p_tk, mask=m_tk, other=0.) + e_p * b_b[:, None] * b_k
-            + e_dq * b_q - e_dk * b_k)
-    b_dq += b_dd[:, None] * b_k
-    b_dk += b_dd[:, None] * b_q
-    b_dg = tl.cumsum(tl.where(m_tk, b_dG, 0.), axis=0, reverse=True)
-    tl.store(dq + p_tk, b_dq, mask=m_tk)
-    tl.store(dk + p_tk, b_dk, mask=m_tk)
-    tl.store(dg + p_tk, b_dg, mask=m_tk)
+    b_db = _finish_k_block(q, k, g, dl, daqk, dq_p, dk_w, dg_w, dq, dk, dg, b_b, i_h, i_hv, t0,
+                           n_rows, o_t, rows, m_t, r64, o_k, m_k, H, HV, K, BT, DOT_A,
+                           BATCHED_L1)
     tl.store(dbeta_k + (r64 * HV + i_hv) * NK + i_k, b_db, mask=m_t)
+
+
+@triton.jit
+def kda_bwd_inter_wy_kernel(
+    q, k, v, g, gc, beta, x, h, dh, vn, dvn, do, meta, off_cu, off_ct, n_bounds, n_tokens,
+    dq_p, dk_w, dg_w, dv, dbeta, dl, daqk,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+    DOT: tl.constexpr, DOT_X: tl.constexpr,
+):
+    """The inter and wy kernels' work in one program per (chunk, value head),
+    for the intra kernel: dv, dbeta's WY terms, dL and scale * dAqk ([T, HV,
+    BT] fp32), and the partial dq, dk, dG that the intra kernel completes
+    (dq_p, dk_w, dg_w, as the wy kernel's), with neither dw nor the inter
+    kernel's partials in memory.
+
+    First over V blocks: dAqk = do v_new^T, dv and dbeta's v term
+    (d(beta v) = X^T dv_new), and M = dv_new v_new^T. M is the wy kernel's
+    dv_new u^T + dw w^T with dw = -dv_new h^T, summed: u - w h = v_new, so
+    dL = -X^T M needs no pass over K. Then over K blocks: the state terms
+    (_state_terms) and B's terms through dB = X^T dw (_b_terms). Precisions:
+    DOT the state terms' products with float32 intermediates (the inter
+    kernel's), DOT_X those with X^T and of the cotangents with v_new (the wy
+    kernel's). dq and dk are per value head (the caller sums a GVA group)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds,
+                                                  n_tokens, BT)
+    b_b = tl.load(beta + r64 * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+    p_tt = (r64 * HV + i_hv)[:, None] * BT + o_t[None, :]
+
+    # V blocks: dAqk, M, dv and dbeta's v term.
+    b_daqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_m = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for vs in range(0, V, BV):
+        o_v = vs + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_vn = tl.load(vn + p_v, mask=m_tv, other=0.)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.)
+        b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.)
+        b_daqk += _dot_16(b_do, tl.trans(b_vn), DOT_X)
+        b_m += _dot_16(b_dvn, tl.trans(b_vn), DOT_X)
+        b_dvb = _xt_dot(x, dvn, t0, n_rows, r64, m_t, i_hv, o_v, o_v < V, HV, V, BT, BV, DOT_X)
+        tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_db += tl.sum(b_dvb * b_v, axis=1)
+    tl.store(daqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_daqk * SCALE, 0.),
+             mask=m_t[:, None])
+    b_dl = dot(_x_transposed(x, p_tt, m_t), b_m, DOT_X)
+    tl.store(dl + p_tt, tl.where(o_t[:, None] > o_t[None, :], -b_dl, 0.), mask=m_t[:, None])
+
+    # K blocks: the state terms and B's terms, as partial dq, dk, dG (dw
+    # never leaves registers).
+    for ks in range(0, K, BK):
+        o_k = ks + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        b_dq, b_dk, b_dG, b_dw, _, b_k, _, b_eg = _state_terms(
+            q, k, gc, g, h, dh, vn, dvn, do, i_c, i_h, i_hv, t0, n_rows, o_t, rows, m_t, r64,
+            o_k, m_k, H, HV, K, V, BT, BV, SCALE, DOT)
+        e_dk, e_dG, e_db = _b_terms(_dot_16(_x_transposed(x, p_tt, m_t), b_dw, DOT_X), b_k,
+                                    b_eg, b_b)
+        b_db += e_db
+        tl.store(dq_p + p_tk, b_dq, mask=m_tk)
+        tl.store(dk_w + p_tk, b_dk + e_dk, mask=m_tk)
+        tl.store(dg_w + p_tk, b_dG + e_dG, mask=m_tk)
+    tl.store(dbeta + r64 * HV + i_hv, b_db, mask=m_t)

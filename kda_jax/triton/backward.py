@@ -115,13 +115,15 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                       has_final_grad: bool, work) -> dict[str, KernelLaunch]:
     """The backward kernels' launches for these shapes, options and config,
     by kernel name (in launch order): the two state passes, then the three
-    per-chunk kernels. The one place their constexprs are derived:
+    per-chunk kernels (the inter and wy kernels' work in one where
+    ``config.inter_wy_for`` gives its config). The one place their constexprs are derived:
     :func:`core_backward` launches with them, :mod:`bench.aot` compiles
     with them."""
     bt = opts.chunk_size
     name = jnp.dtype(work).name
     sc, dc, ic, wc, ac = (c[variant_key(c, name, kd)] for c in (
         config.state, config.dstate, config.inter, config.wy, config.intra))
+    iwc = config.inter_wy_for(name, kd)
     bk_state = next_pow2(max(kd, 16))
     # The state as two K halves where the intermediates call for it (as the
     # forward's), in each pass whose config allows it.
@@ -140,14 +142,23 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             STATE_V_FIRST=opts.state_v_first, DOT=dot_precision(dc.dot),
             SPLIT_K=split and dc.split_k, STORE_CHUNKS=True),
             dc.warps, dc.stages),
-        KernelLaunch("kda_bwd_inter_kernel", dict(
-            H=h, **common, BK=_block(kd, ic.block_k), BV=_block(vd, ic.block_v),
-            SCALE=float(opts.scale), DOT=dot_precision(ic.dot)),
-            ic.warps, 1),
-        KernelLaunch("kda_bwd_wy_kernel", dict(
-            H=h, **common, BK=_block(kd, wc.block_k), BV=_block(vd, wc.block_v),
-            SCALE=float(opts.scale), DOT_X=dot_precision(wc.dot)),
-            wc.warps, 1),
+    ]
+    if iwc is not None:
+        launches.append(KernelLaunch("kda_bwd_inter_wy_kernel", dict(
+            H=h, **common, BK=_block(kd, iwc.block_k), BV=_block(vd, iwc.block_v),
+            SCALE=float(opts.scale), DOT=dot_precision(iwc.dot),
+            DOT_X=dot_precision(iwc.x_dot)), iwc.warps, 1))
+    else:
+        launches += [
+            KernelLaunch("kda_bwd_inter_kernel", dict(
+                H=h, **common, BK=_block(kd, ic.block_k), BV=_block(vd, ic.block_v),
+                SCALE=float(opts.scale), DOT=dot_precision(ic.dot)),
+                ic.warps, 1),
+            KernelLaunch("kda_bwd_wy_kernel", dict(
+                H=h, **common, BK=_block(kd, wc.block_k), BV=_block(vd, wc.block_v),
+                SCALE=float(opts.scale), DOT_X=dot_precision(wc.dot)),
+                wc.warps, 1)]
+    launches += [
         KernelLaunch("kda_bwd_intra_kernel", dict(
             H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, ac.block_k), DOT_A=dot_precision(ac.dot),
             BATCHED_L1=ac.batched_l1),
@@ -246,24 +257,33 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
             dict(dh=chunk_states, dvn=sds(tv.shape, work),
                  dh0=sds(state_shape if initial_state is not None else (4,), f32)))
 
-    n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
-    inter = run(
-        "kda_bwd_inter_kernel", (n_chunks, hv, n_k),
-        dict(q=q, k=k, gc=r["gc"], g=g, h=state["h"], dh=dstate["dh"], vn=state["vn"],
-             dvn=dstate["dvn"], do=do, **by_chunk),
-        dict(dq=tk, dk=tk, dg=tk, dw=tk))
-
-    wy = run(
-        "kda_bwd_wy_kernel", (n_chunks, hv, 1),
-        dict(k=k, v=v, gc=r["gc"], beta=beta, x=r["x"], w=r["w"], u=r["u"], vn=state["vn"],
-             dvn=dstate["dvn"], do=do, dk_p=inter["dk"], dg_p=inter["dg"], dw=inter["dw"],
-             **by_chunk),
-        dict(dv=tv, dk_w=tk, dg_w=tk, dl=tt, daqk=tt, dbeta=sds((tokens, hv), f32)))
+    if "kda_bwd_inter_wy_kernel" in L:
+        wy = run(
+            "kda_bwd_inter_wy_kernel", (n_chunks, hv, 1),
+            dict(q=q, k=k, v=v, g=g, gc=r["gc"], beta=beta, x=r["x"], h=state["h"],
+                 dh=dstate["dh"], vn=state["vn"], dvn=dstate["dvn"], do=do, **by_chunk),
+            dict(dq_p=tk, dk_w=tk, dg_w=tk, dv=tv, dbeta=sds((tokens, hv), f32), dl=tt,
+                 daqk=tt))
+        dq_p = wy["dq_p"]
+    else:
+        n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
+        inter = run(
+            "kda_bwd_inter_kernel", (n_chunks, hv, n_k),
+            dict(q=q, k=k, gc=r["gc"], g=g, h=state["h"], dh=dstate["dh"], vn=state["vn"],
+                 dvn=dstate["dvn"], do=do, **by_chunk),
+            dict(dq=tk, dk=tk, dg=tk, dw=tk))
+        wy = run(
+            "kda_bwd_wy_kernel", (n_chunks, hv, 1),
+            dict(k=k, v=v, gc=r["gc"], beta=beta, x=r["x"], w=r["w"], u=r["u"], vn=state["vn"],
+                 dvn=dstate["dvn"], do=do, dk_p=inter["dk"], dg_p=inter["dg"], dw=inter["dw"],
+                 **by_chunk),
+            dict(dv=tv, dk_w=tk, dg_w=tk, dl=tt, daqk=tt, dbeta=sds((tokens, hv), f32)))
+        dq_p = inter["dq"]
 
     n_k = -(-kd // L["kda_bwd_intra_kernel"].constexprs["BK"])
     intra = run(
         "kda_bwd_intra_kernel", (n_chunks * n_k, hv, 1),
-        dict(q=q, k=k, g=g, beta=beta, dl=wy["dl"], daqk=wy["daqk"], dq_p=inter["dq"],
+        dict(q=q, k=k, g=g, beta=beta, dl=wy["dl"], daqk=wy["daqk"], dq_p=dq_p,
              dk_w=wy["dk_w"], dg_w=wy["dg_w"], **by_chunk),
         dict(dq=tk, dk=tk, dg=tk, dbeta_k=sds((tokens, hv, n_k), f32)))
     dq, dk, dg, dv, dh0 = intra["dq"], intra["dk"], intra["dg"], wy["dv"], dstate["dh0"]
