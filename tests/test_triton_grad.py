@@ -544,12 +544,14 @@ def test_fused_inter_wy_16bit(dtype, monkeypatch, sixteen_bit_intermediates):
     bars = TOL_BF16  # fla's 16-bit bars, for either 16-bit dtype
     launched = _launched(monkeypatch)
     got, err = {}, {}
-    for form, bwd in (("fused", _fused_inter_wy(64)),
-                      ("apart", configs.backward_config(chunk_size=64))):
+    apart = dataclasses.replace(configs.backward_config(chunk_size=64), fused_inter_wy=False)
+    for form, bwd in (("fused", _fused_inter_wy(64)), ("apart", apart)):
         with configs.override(bwd):
             got[form] = jax.jit(jax.grad(_loss(fast, arrays, call_kw, w_o, w_f)))(
                 {n: arrays[n] for n in ALL})
         err[form] = {n: _rel_rms(got[form][n], ref[n]) for n in ALL}
+    print(f"fused inter-wy {dtype}: " + ", ".join(
+        f"d{n} {err['fused'][n]:.3e} (apart {err['apart'][n]:.3e})" for n in ALL))
     assert "kda_bwd_inter_wy_kernel" in launched and "kda_bwd_wy_kernel" in launched, launched
     over = [f"d{n}: {err['fused'][n]:.3e} (apart {err['apart'][n]:.3e}, bar {bars[n]:.0e})"
             for n in ALL if err["fused"][n] > max(bars[n], 1.3 * err["apart"][n])]

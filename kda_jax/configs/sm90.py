@@ -56,7 +56,7 @@ BACKWARD_64 = BackwardConfig(
            "fp32": IntraConfig(block_k=32, warps=8, dot="bf16x3", batched_l1=True)},
     fold=FoldConfig(block_j=128, warps=8, dot="bf16x3"),
     gate_fp32_max_k=0, chunk_states="work", normalized_qk="input", transform_residuals="recompute",
-    nonfinite_flags="forward",
+    nonfinite_flags="forward", fused_inter_wy=True,
     inter_wy={"bf16": InterWyConfig(block_k=16, block_v=32, warps=4, dot="ieee", x_dot="bf16")})
 
 BACKWARD_32 = BackwardConfig(
