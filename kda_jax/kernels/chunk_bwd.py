@@ -32,6 +32,11 @@ STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl, G and X^T. Then:
   kda_bwd_wy_kernel       grid (chunks, HV): everything that needs X: dv,
                           dbeta's WY terms, B's terms of dk and dG, and
                           dL = -X^T M (the inverse's backward).
+  kda_bwd_inter_wy_kernel grid (chunks, HV): the inter and wy kernels' work
+                          in one program per chunk, in their place where
+                          the config says (BackwardConfig.inter_wy_for):
+                          dw and the state terms' partials stay in
+                          registers, and M = dv_new v_new^T.
   kda_bwd_intra_kernel    grid (chunks x K blocks, HV): the intra-chunk
                           products back to dq, dk, dG; dg = reverse cumsum.
 

@@ -14,8 +14,9 @@ backward
    X = (I + L)^-1 too, then the kernels of ``kda_jax.kernels.chunk_bwd``:
    state pass and reverse state pass (a launch each, or one launch for both
    where the config says so; over segments when the call is segmented,
-   :mod:`kda_jax.triton.state_chain`), then per chunk the state terms, the
-   terms through X, and the intra-chunk products,
+   :mod:`kda_jax.triton.state_chain`), then per chunk the state terms and
+   the terms through X (two kernels, or one where the config fuses them),
+   and the intra-chunk products,
 3. sums dq and dk over each GVA group (the kernels work per value head) and
    chains everything through the transforms' vjp.
 
