@@ -431,6 +431,21 @@ def test_backward_intermediates_float32_only_with_the_in_kernel_gate():
         dataclasses.replace(config, gate_fp32_max_k=True)
 
 
+def _varlen_16bit_case(seed: int, kd: int, dtype: str):
+    """A varlen case of 16-bit inputs (lengths 70, 0, 1, 69; H = 1, HV = 2,
+    V = 16, K = ``kd``): (arrays, call kwargs, loss weights w_o, w_f, and the
+    reference gradients: autodiff of the float32 reference on the same
+    values)."""
+    x = make_inputs(seed, T=140, H=1, HV=2, K=kd, V=16, N=4, dtype=jnp.dtype(dtype))
+    call_kw = dict(cu_seqlens=np.array([0, 70, 70, 71, 140]))
+    w_o, w_f = _weights(x, call_kw)
+    arrays = _arrays(x)
+    ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items() if a is not None}
+    ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f,
+                                 out_dtype=jnp.dtype(dtype))))({n: ref_arrays[n] for n in ALL})
+    return arrays, call_kw, w_o, w_f, ref
+
+
 @pytest.mark.parametrize("segmented,dtype", [(False, "bfloat16"), (True, "bfloat16"),
                                              (False, "float16")],
                          ids=["whole-bf16", "segments-bf16", "whole-fp16"])
@@ -445,14 +460,7 @@ def test_chunk_states_in_the_intermediates_dtype(segmented, dtype, sixteen_bit_i
     arithmetic does not), which alone puts dk near 1e-2 at this case.
     Only dG's sum over V of dS * h reads the chunk states unrounded, so the
     other gradients equal the float32 form's bit for bit."""
-    cu = np.array([0, 70, 70, 71, 140])
-    x = make_inputs(5, T=140, H=1, HV=2, K=16, V=16, N=4, dtype=jnp.dtype(dtype))
-    call_kw = dict(cu_seqlens=cu)
-    w_o, w_f = _weights(x, call_kw)
-    arrays = _arrays(x)
-    ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items() if a is not None}
-    ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f,
-                                 out_dtype=jnp.dtype(dtype))))({n: ref_arrays[n] for n in ALL})
+    arrays, call_kw, w_o, w_f, ref = _varlen_16bit_case(5, 16, dtype)
     fast = functools.partial(kda_jax.chunk_kda, implementation="triton", chunk_size=32)
     segments = configs.SegmentConfig(segment_chunks=1, xla=True) if segmented else (
         configs.SegmentConfig())
@@ -532,14 +540,7 @@ def test_fused_inter_wy_16bit(dtype, monkeypatch, sixteen_bit_intermediates):
     error of the two kernels apart where that is larger (the interpreter
     rounds every 16-bit operation). Its dL takes M = dv_new v_new^T where
     the wy kernel sums dv_new u^T and dw w^T, so the two differ."""
-    cu = np.array([0, 70, 70, 71, 140])
-    x = make_inputs(7, T=140, H=1, HV=2, K=32, V=16, N=4, dtype=jnp.dtype(dtype))
-    call_kw = dict(cu_seqlens=cu)
-    w_o, w_f = _weights(x, call_kw)
-    arrays = _arrays(x)
-    ref_arrays = {n: a.astype(jnp.float32) for n, a in arrays.items() if a is not None}
-    ref = jax.jit(jax.grad(_loss(kda_jax.naive_recurrent_kda, ref_arrays, call_kw, w_o, w_f,
-                                 out_dtype=jnp.dtype(dtype))))({n: ref_arrays[n] for n in ALL})
+    arrays, call_kw, w_o, w_f, ref = _varlen_16bit_case(7, 32, dtype)
     fast = functools.partial(kda_jax.chunk_kda, implementation="triton", chunk_size=64)
     bars = TOL_BF16  # fla's 16-bit bars, for either 16-bit dtype
     launched = _launched(monkeypatch)

@@ -177,7 +177,7 @@ class BlockConfig:
     dot: str
 
     def __post_init__(self):
-        owner = "BlockConfig"
+        owner = type(self).__name__
         _check_int(owner, "block_k", self.block_k, power_of_two_from=16)
         _check_int(owner, "block_v", self.block_v, power_of_two_from=16)
         _check_int(owner, "warps", self.warps, _WARPS)
@@ -209,30 +209,22 @@ class IntraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class InterWyConfig:
+class InterWyConfig(BlockConfig):
     """The inter and wy kernels' work in one launch
     (``kda_bwd_inter_wy_kernel``; grid chunks x heads, looping over V
-    blocks of ``block_v``, then K blocks of ``block_k``).
+    blocks of ``block_v``, then K blocks of ``block_k``): BlockConfig's
+    fields, ``dot`` the state terms' products with float32 intermediates (the
+    inter kernel's: "ieee" for 16-bit ones, exact), and
 
-    dot: the state terms' products with float32 intermediates (BlockConfig's
-      inter ``dot``: "ieee" for 16-bit ones, exact).
     x_dot: the products with X^T and of the cotangents with v_new (the wy
       kernel's ``dot``; the "fp32" variant float32-grade).
     """
 
-    block_k: int
-    block_v: int
-    warps: int
-    dot: str
     x_dot: str
 
     def __post_init__(self):
-        owner = "InterWyConfig"
-        _check_int(owner, "block_k", self.block_k, power_of_two_from=16)
-        _check_int(owner, "block_v", self.block_v, power_of_two_from=16)
-        _check_int(owner, "warps", self.warps, _WARPS)
-        _check_dot(owner, "dot", self.dot)
-        _check_dot(owner, "x_dot", self.x_dot)
+        super().__post_init__()
+        _check_dot("InterWyConfig", "x_dot", self.x_dot)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -486,6 +486,26 @@ def _xt_dot(x, b, t0, n_rows, r64, m_t, i_hv, o_c, m_c, HV: tl.constexpr, N: tl.
 
 
 @triton.jit
+def _v_terms(x, dvn, v, dv, b_b, t0, n_rows, r64, m_t, i_hv, o_v, HV: tl.constexpr,
+             V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, DOT_X: tl.constexpr):
+    """d(beta v) = X^T dv_new over the V block o_v: stores dv = beta X^T dv_new
+    and returns dbeta's v term, sum over the block of X^T dv_new * v [BT]."""
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    p_v = (r64 * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_dvb = _xt_dot(x, dvn, t0, n_rows, r64, m_t, i_hv, o_v, o_v < V, HV, V, BT, BV, DOT_X)
+    tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+    b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+    return tl.sum(b_dvb * b_v, axis=1)
+
+
+@triton.jit
+def _store_dl(dl, x, b_m, p_tt, o_t, m_t, DOT_X: tl.constexpr):
+    """dL = -X^T M, strictly lower, into the chunk's rows of dl [T, HV, BT]."""
+    b_dl = dot(_x_transposed(x, p_tt, m_t), b_m, DOT_X)
+    tl.store(dl + p_tt, tl.where(o_t[:, None] > o_t[None, :], -b_dl, 0.), mask=m_t[:, None])
+
+
+@triton.jit
 def _b_terms(b_dB, b_k, b_eg, b_b):
     """B = beta k e^G back to k, G and beta from dB = X^T dw ([BT, BK]; b_eg =
     e^G, b_b = beta [BT]): (dk, dG, dbeta) terms, the last summed over the
@@ -542,10 +562,8 @@ def kda_bwd_wy_kernel(
         b_u = tl.load(u + p_v, mask=m_tv, other=0.)
         b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.)
         b_m += _dot_16(b_dvn, tl.trans(b_u), DOT_X)
-        b_dvb = _xt_dot(x, dvn, t0, n_rows, r64, m_t, i_hv, o_v, o_v < V, HV, V, BT, BV, DOT_X)
-        tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_db += tl.sum(b_dvb * b_v, axis=1)
+        b_db += _v_terms(x, dvn, v, dv, b_b, t0, n_rows, r64, m_t, i_hv, o_v, HV, V, BT, BV,
+                         DOT_X)
 
     # K blocks: M += dw w^T, and dB = X^T dw into dk, dG, dbeta.
     for ks in range(0, K, BK):
@@ -564,8 +582,7 @@ def kda_bwd_wy_kernel(
         tl.store(dk_w + p_tk, tl.load(dk_p + p_tk, mask=m_tk, other=0.) + e_dk, mask=m_tk)
         tl.store(dg_w + p_tk, tl.load(dg_p + p_tk, mask=m_tk, other=0.) + e_dG, mask=m_tk)
 
-    b_dl = dot(_x_transposed(x, p_tt, m_t), b_m, DOT_X)
-    tl.store(dl + p_tt, tl.where(o_t[:, None] > o_t[None, :], -b_dl, 0.), mask=m_t[:, None])
+    _store_dl(dl, x, b_m, p_tt, o_t, m_t, DOT_X)
     tl.store(dbeta + r64 * HV + i_hv, b_db, mask=m_t)
 
 
@@ -700,14 +717,11 @@ def kda_bwd_inter_wy_kernel(
         b_dvn = tl.load(dvn + p_v, mask=m_tv, other=0.)
         b_daqk += _dot_16(b_do, tl.trans(b_vn), DOT_X)
         b_m += _dot_16(b_dvn, tl.trans(b_vn), DOT_X)
-        b_dvb = _xt_dot(x, dvn, t0, n_rows, r64, m_t, i_hv, o_v, o_v < V, HV, V, BT, BV, DOT_X)
-        tl.store(dv + p_v, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_db += tl.sum(b_dvb * b_v, axis=1)
+        b_db += _v_terms(x, dvn, v, dv, b_b, t0, n_rows, r64, m_t, i_hv, o_v, HV, V, BT, BV,
+                         DOT_X)
     tl.store(daqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_daqk * SCALE, 0.),
              mask=m_t[:, None])
-    b_dl = dot(_x_transposed(x, p_tt, m_t), b_m, DOT_X)
-    tl.store(dl + p_tt, tl.where(o_t[:, None] > o_t[None, :], -b_dl, 0.), mask=m_t[:, None])
+    _store_dl(dl, x, b_m, p_tt, o_t, m_t, DOT_X)
 
     # K blocks: the state terms and B's terms, as partial dq, dk, dG (dw
     # never leaves registers).
