@@ -61,13 +61,15 @@ __all__ = ["TARGETS", "SPECS", "SUMMARY_SPEC", "Spec", "compile_one", "plan_one"
 
 KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # The backward's kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
-# kda_jax.triton.backward.backward_launches gives them: the inter and wy
-# kernels, or where the target's config sets fused_inter_wy their work in one
-# (the other form has no row there).
+# kda_jax.triton.backward.backward_launches gives them: the inter, wy and intra
+# kernels, or where the target's config sets fused_grads their work in one (the
+# other form has no row there).
 BWD_KERNELS = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
-               "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_inter_wy_kernel",
-               "kda_bwd_intra_kernel")
-_INTER_WY = ("kda_bwd_inter_kernel", "kda_bwd_wy_kernel")
+               "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel",
+               "kda_bwd_grads_kernel")
+# The per-chunk kernels of which a config launches the first three or the last.
+_PER_CHUNK = ("kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel",
+              "kda_bwd_grads_kernel")
 # The decode kernel (kda_jax.kernels.fused_recurrent), at recurrent_constexprs'.
 DECODE_KERNELS = ("kda_fused_recurrent_kernel",)
 # The segmented state chain at the launches kda_jax.triton.forward.segmented_launches
@@ -147,7 +149,7 @@ POOL_KERNELS = ("kda_fwd_state_output_kernel", "kda_fused_recurrent_kernel")
 # The backward's launches whose "state" arguments are the per-chunk states h and
 # dS, in BackwardConfig.chunk_states' dtype (kda_bwd_dstate_own stores none).
 CHUNK_STATE_KERNELS = ("kda_bwd_state_kernel", "kda_bwd_dstate_kernel", "kda_bwd_inter_kernel",
-                       "kda_bwd_inter_wy_kernel",
+                       "kda_bwd_grads_kernel",
                        "kda_bwd_state_seg", "kda_bwd_dstate_seg")
 # The spec whose pool is bfloat16 (the rounding store compiled on every
 # target): one existing spec rather than new rows, for CI time; its decode
@@ -239,8 +241,8 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
 
 def _bwd_launch_for(kernel: str, target: str, spec: Spec):
     """_launch_for of a backward kernel (config: configs.BACKWARD[target]), or
-    None where the config does not launch it (the inter and wy kernels, or
-    their fused form: BackwardConfig.inter_wy_for)."""
+    None where the config does not launch it (the inter, wy and intra kernels,
+    or their fused form: BackwardConfig.grads_for)."""
     import jax.numpy as jnp
 
     from kda_jax.configs import backward_config
@@ -317,9 +319,9 @@ _SEGMENT_STATE_PASSES = ("kda_fwd_state_output_seg", "kda_bwd_state_seg", "kda_b
 def applies(kernel: str, target: str, spec: Spec) -> bool:
     """Whether ``kernel`` has a row at ``spec``: the segmented chain's launches
     only where its state pass holds the state whole (and its state passes at
-    chunk 64); the inter and wy kernels, or their fused form, as the target's
-    config launches them (fused_inter_wy); every other kernel everywhere."""
-    if kernel in _INTER_WY + ("kda_bwd_inter_wy_kernel",):
+    chunk 64); the per-chunk gradient kernels, or their fused form, as the
+    target's config launches them (fused_grads); every other kernel everywhere."""
+    if kernel in _PER_CHUNK:
         return _bwd_launch_for(kernel, target, spec) is not None
     if kernel not in SEGMENT_KERNELS:
         return True
@@ -717,7 +719,7 @@ _SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "s
           "kda_bwd_dstate_kernel": "bwd_dstate",
           "kda_bwd_inter_kernel": "bwd_inter",
           "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra",
-          "kda_bwd_inter_wy_kernel": "bwd_inter_wy",
+          "kda_bwd_grads_kernel": "bwd_grads",
           "kda_segment_map_kernel": "seg_map", "kda_segment_fold_kernel": "seg_fold",
           "kda_segment_map_bwd": "seg_map_bwd", "kda_segment_fold_bwd": "seg_fold_bwd",
           "kda_segment_fold_reverse": "seg_fold_rev",

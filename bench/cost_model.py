@@ -452,7 +452,7 @@ def grid(kernel: str, c: dict, v: dict) -> int:
     hv, rows, seqs = v["heads"], v["chunk_rows"], v["n_seqs"]
     blocks = lambda n, b: -(-n // b)
     if kernel in ("kda_fwd_prepare_kernel", "kda_bwd_recompute", "kda_bwd_wy_kernel",
-                  "kda_bwd_inter_wy_kernel"):
+                  "kda_bwd_grads_kernel"):
         return rows * hv
     if kernel in ("kda_fwd_state_output_kernel", "kda_bwd_state_kernel",
                   "kda_bwd_dstate_kernel"):
@@ -515,8 +515,8 @@ FORWARD = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
 # the layer's form.
 SPECS = ("main/c64/default", "main/c64/all")
 BACKWARD = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
-            "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_inter_wy_kernel",
-            "kda_bwd_intra_kernel")
+            "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel",
+            "kda_bwd_grads_kernel")
 
 
 # --------------------------------------------------------------------------- #
@@ -596,7 +596,7 @@ def compile_kernel(tree: str, kernel: str, spec: str, out: str, reuse: bool = Fa
     returns the launch fields and the code: "sass" on sm90, "asm" (AMDGCN) on AMD.
     ``reuse``: an earlier compile's files at ``out``. ``changes``: the target's config
     fields to change first (``--variant``). None where that config does not launch
-    the kernel (the inter and wy kernels or their fused form)."""
+    the kernel (the per-chunk gradient kernels or their fused form)."""
     key, suffix = ("sass", ".sass") if target == "sm90" else ("asm", ".s")
     if reuse and os.path.exists(out + suffix) and os.path.exists(out + ".json"):
         row = json.load(open(out + ".json"))

@@ -504,77 +504,94 @@ def _launched(monkeypatch) -> list:
     return names
 
 
-def _fused_inter_wy(chunk: int):
-    """The backward config at ``chunk`` with the inter and wy kernels fused for
-    every intermediates' dtype (their fields taken from the two kernels')."""
-    return dataclasses.replace(configs.backward_config(chunk_size=chunk), inter_wy=None,
-                               fused_inter_wy=True)
+def _fused_grads(chunk: int):
+    """The backward config at ``chunk`` with the per-chunk gradient kernels
+    fused for every intermediates' dtype (fields taken from the three
+    kernels')."""
+    return dataclasses.replace(configs.backward_config(chunk_size=chunk), grads=None,
+                               fused_grads=True)
 
 
-# The suite's gradient cases through the fused inter and wy kernel: varlen with
-# empty and one-token sequences, GVA, a V-first state, K and V not powers of
-# two, the in-kernel transforms, chunks of 64 and 32, with and without states.
-FUSED_INTER_WY_CASES = ("grad-B2-T80-K20-V28-c32", "grad-gate-lb2-T66-V24",
-                        "grad-HV2H-v-first-scale-K24", "grad-K60-V100-HV2H-c32",
-                        "grad-varlen-empty-len1-c32", "grad-K100-V16-v-first",
-                        "grad-l2norm-sigmoid-negeig-c32", "grad-varlen-no-h0")
+# The suite's gradient cases through the fused gradient kernel: varlen with
+# empty and one-token sequences, GVA, a V-first state, the in-kernel
+# transforms, chunks of 64 (level 1 batched) and 32 (whole chunk), with and
+# without states; K and V multiples of its blocks (where they are not, the
+# three kernels run: test_fused_grads_leave_masked_blocks_to_the_kernels_apart).
+FUSED_GRADS_CASES = ("grad-B2-T70-K32", "grad-HV4H-v-first-scale-c32", "grad-gate-softplus-c32",
+                     "grad-gate-lb1-bare-c32", "grad-varlen-empty-len1-c32",
+                     "grad-l2norm-sigmoid-negeig-c32", "grad-varlen-no-h0", "grad-K128-V16-c32")
+_APART = {"kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel"}
 
 
-@pytest.mark.parametrize("name", FUSED_INTER_WY_CASES)
-def test_fused_inter_wy_matches_reference(name, monkeypatch, check_close, check_rel_rms):
-    """BackwardConfig.fused_inter_wy: the state terms and the terms through X
-    in one kernel (M = dv_new v_new^T, dw in registers), at the suite's bars
-    against the float32 reference; the fused kernel runs and the two it
-    replaces do not."""
+@pytest.mark.parametrize("name", FUSED_GRADS_CASES)
+def test_fused_grads_match_reference(name, monkeypatch, check_close, check_rel_rms):
+    """BackwardConfig.fused_grads: every per-chunk gradient term in one kernel
+    (M = dv_new v_new^T, dw in registers, the partials in place), at the
+    suite's bars against the float32 reference; the fused kernel runs and
+    the three it replaces do not."""
     launched = _launched(monkeypatch)
-    _suite_grads(name, check_close, check_rel_rms, _fused_inter_wy(testing.case(name).C))
-    assert "kda_bwd_inter_wy_kernel" in launched, launched
-    assert not {"kda_bwd_inter_kernel", "kda_bwd_wy_kernel"} & set(launched), launched
+    _suite_grads(name, check_close, check_rel_rms, _fused_grads(testing.case(name).C))
+    assert "kda_bwd_grads_kernel" in launched, launched
+    assert not _APART & set(launched), launched
+
+
+@pytest.mark.parametrize("name", ["grad-B2-T80-K20-V28-c32", "grad-gate-lb2-T66-V24",
+                                  "grad-K100-V16-v-first"])
+def test_fused_grads_leave_masked_blocks_to_the_kernels_apart(name, monkeypatch, check_close,
+                                                              check_rel_rms):
+    """With fused_grads on, K or V not a multiple of the fused kernel's blocks
+    (K = 20, V = 24 against 32-wide V blocks, K = 100) run the inter, wy and
+    intra kernels, at the suite's bars."""
+    launched = _launched(monkeypatch)
+    _suite_grads(name, check_close, check_rel_rms, _fused_grads(testing.case(name).C))
+    assert _APART <= set(launched) and "kda_bwd_grads_kernel" not in launched, launched
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_fused_inter_wy_16bit(dtype, monkeypatch, sixteen_bit_intermediates):
-    """The fused inter and wy kernel with 16-bit intermediates (emulated in
-    the interpreter, native on a GPU): against autodiff of the float32
-    reference, each gradient within the 16-bit bar, or within 1.3x the
-    error of the two kernels apart where that is larger (the interpreter
-    rounds every 16-bit operation). Its dL takes M = dv_new v_new^T where
-    the wy kernel sums dv_new u^T and dw w^T, so the two differ."""
+def test_fused_grads_16bit(dtype, monkeypatch, sixteen_bit_intermediates):
+    """The fused gradient kernel with 16-bit intermediates (emulated in the
+    interpreter, native on a GPU): against autodiff of the float32
+    reference, each gradient within the 16-bit bar, or within 1.3x the error
+    of the three kernels apart where that is larger (the interpreter rounds
+    every 16-bit operation). Its dL takes M = dv_new v_new^T where the wy
+    kernel sums dv_new u^T and dw w^T, so the two differ."""
     arrays, call_kw, w_o, w_f, ref = _varlen_16bit_case(7, 32, dtype)
     fast = functools.partial(kda_jax.chunk_kda, implementation="triton", chunk_size=64)
     bars = TOL_BF16  # fla's 16-bit bars, for either 16-bit dtype
     launched = _launched(monkeypatch)
     got, err = {}, {}
-    apart = dataclasses.replace(configs.backward_config(chunk_size=64), fused_inter_wy=False)
-    for form, bwd in (("fused", _fused_inter_wy(64)), ("apart", apart)):
+    apart = dataclasses.replace(configs.backward_config(chunk_size=64), fused_grads=False)
+    for form, bwd in (("fused", _fused_grads(64)), ("apart", apart)):
         with configs.override(bwd):
             got[form] = jax.jit(jax.grad(_loss(fast, arrays, call_kw, w_o, w_f)))(
                 {n: arrays[n] for n in ALL})
         err[form] = {n: _rel_rms(got[form][n], ref[n]) for n in ALL}
-    print(f"fused inter-wy {dtype}: " + ", ".join(
+    print(f"fused gradient kernel {dtype}: " + ", ".join(
         f"d{n} {err['fused'][n]:.3e} (apart {err['apart'][n]:.3e})" for n in ALL))
-    assert "kda_bwd_inter_wy_kernel" in launched and "kda_bwd_wy_kernel" in launched, launched
+    assert "kda_bwd_grads_kernel" in launched and _APART <= set(launched), launched
     over = [f"d{n}: {err['fused'][n]:.3e} (apart {err['apart'][n]:.3e}, bar {bars[n]:.0e})"
             for n in ALL if err["fused"][n] > max(bars[n], 1.3 * err["apart"][n])]
     assert not over, "; ".join(over)
 
 
-def test_inter_wy_config_names_its_values():
-    """The fused inter and wy kernel's config: partial variants are allowed
-    (the others run the two kernels), bad values are named."""
+def test_grads_config_names_its_values():
+    """The fused gradient kernel's config: partial variants are allowed (the
+    others run the three kernels), bad values are named."""
     base = configs.backward_config("sm90")
-    one = dataclasses.replace(base, fused_inter_wy=True, inter_wy={"bf16": configs.InterWyConfig(
-        block_k=16, block_v=32, warps=4, dot="ieee", x_dot="bf16")})
-    assert one.inter_wy_for("bfloat16", 128).block_k == 16
-    assert one.inter_wy_for("float32", 128) is None
-    assert dataclasses.replace(one, fused_inter_wy=False).inter_wy_for("bfloat16", 128) is None
-    with pytest.raises(ValueError, match="fused_inter_wy=1 must be True or False"):
-        dataclasses.replace(base, fused_inter_wy=1)
-    with pytest.raises(ValueError, match=r"inter_wy\['fp32'\].x_dot='bf16'.*float32-grade"):
-        dataclasses.replace(base, inter_wy={"fp32": configs.InterWyConfig(
-            block_k=16, block_v=32, warps=4, dot="ieee", x_dot="bf16")})
-    with pytest.raises(ValueError, match="InterWyConfig: block_k=24 must be a power of two"):
-        configs.InterWyConfig(block_k=24, block_v=32, warps=4, dot="ieee", x_dot="bf16")
+    cfg = lambda **kw: configs.GradsConfig(**{**dict(
+        block_k=16, block_v=32, warps=4, dot="ieee", x_dot="bf16", product_dot="bf16x3"), **kw})
+    one = dataclasses.replace(base, fused_grads=True, grads={"bf16": cfg()})
+    assert one.grads_for("bfloat16", 128).block_k == 16
+    assert one.grads_for("float32", 128) is None
+    assert dataclasses.replace(one, fused_grads=False).grads_for("bfloat16", 128) is None
+    with pytest.raises(ValueError, match="fused_grads=1 must be True or False"):
+        dataclasses.replace(base, fused_grads=1)
+    with pytest.raises(ValueError, match=r"grads\['fp32'\].x_dot='bf16'.*float32-grade"):
+        dataclasses.replace(base, grads={"fp32": cfg()})
+    with pytest.raises(ValueError, match="GradsConfig: block_k=24 must be a power of two"):
+        cfg(block_k=24)
+    with pytest.raises(ValueError, match="GradsConfig: product_dot='fp8' must be one of"):
+        cfg(product_dot="fp8")
 
 
 @pytest.mark.parametrize("dtype", ["float16"])

@@ -20,14 +20,14 @@ import contextvars
 
 from kda_jax.configs import default, gfx942, gfx950, gfx1250, sm90
 from kda_jax.configs.types import (DOT_MODES, BackwardConfig, BlockConfig, DecodeConfig,
-                                   FoldConfig, ForwardConfig, InterWyConfig, IntraConfig,
+                                   FoldConfig, ForwardConfig, GradsConfig, IntraConfig,
                                    PrepareConfig,
                                    RecurrentConfig, SegmentConfig, SegmentRule, StateConfig,
                                    Variants, as_dict, replace, variant_key)
 
 __all__ = ["ARCHS", "DOT_MODES", "FORWARD", "FORWARD_C32", "BACKWARD", "BACKWARD_C32",
            "RECURRENT", "SEGMENTS", "BackwardConfig", "BlockConfig", "DecodeConfig",
-           "FoldConfig", "ForwardConfig", "InterWyConfig", "IntraConfig", "PrepareConfig", "RecurrentConfig",
+           "FoldConfig", "ForwardConfig", "GradsConfig", "IntraConfig", "PrepareConfig", "RecurrentConfig",
            "SegmentConfig", "SegmentRule", "StateConfig", "Variants", "as_dict", "backward_config",
            "current_arch", "explicit_arch", "forward_config", "override", "recurrent_config",
            "replace", "segment_config", "target_arch", "variant_key"]

@@ -3,7 +3,7 @@ variant (kda_jax.configs.types). Why each value is as it is, and the
 measurements behind it: docs/tuning.md ("Launch configs")."""
 
 from kda_jax.configs.types import (BackwardConfig, BlockConfig, DecodeConfig, FoldConfig,
-                                   ForwardConfig, InterWyConfig, IntraConfig, PrepareConfig,
+                                   ForwardConfig, GradsConfig, IntraConfig, PrepareConfig,
                                    RecurrentConfig, SegmentConfig, SegmentRule, StateConfig)
 
 FORWARD_64 = ForwardConfig(
@@ -56,8 +56,9 @@ BACKWARD_64 = BackwardConfig(
            "fp32": IntraConfig(block_k=32, warps=8, dot="bf16x3", batched_l1=True)},
     fold=FoldConfig(block_j=128, warps=8, dot="bf16x3"),
     gate_fp32_max_k=0, chunk_states="work", normalized_qk="input", transform_residuals="recompute",
-    nonfinite_flags="forward", fused_inter_wy=True,
-    inter_wy={"bf16": InterWyConfig(block_k=16, block_v=32, warps=4, dot="ieee", x_dot="bf16")})
+    nonfinite_flags="forward", fused_grads=True,
+    grads={"bf16": GradsConfig(block_k=16, block_v=32, warps=4, dot="ieee", x_dot="bf16",
+                               product_dot="bf16x3", batched_l1=True)})
 
 BACKWARD_32 = BackwardConfig(
     recompute={

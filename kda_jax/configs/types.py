@@ -15,7 +15,7 @@ import dataclasses
 from typing import Generic, Iterator, Mapping, TypeVar
 
 __all__ = ["DOT_MODES", "Variants", "variant_key", "PrepareConfig", "StateConfig", "BlockConfig",
-           "IntraConfig", "InterWyConfig", "FoldConfig", "DecodeConfig", "SegmentRule", "ForwardConfig",
+           "IntraConfig", "GradsConfig", "FoldConfig", "DecodeConfig", "SegmentRule", "ForwardConfig",
            "BackwardConfig", "RecurrentConfig", "SegmentConfig", "as_dict", "replace"]
 
 # Product precisions: the kernels' DOT constexprs, tl.dot's input_precision names and
@@ -209,22 +209,28 @@ class IntraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class InterWyConfig(BlockConfig):
-    """The inter and wy kernels' work in one launch
-    (``kda_bwd_inter_wy_kernel``; grid chunks x heads, looping over V
-    blocks of ``block_v``, then K blocks of ``block_k``): BlockConfig's
-    fields, ``dot`` the state terms' products with float32 intermediates (the
-    inter kernel's: "ieee" for 16-bit ones, exact), and
+class GradsConfig(BlockConfig):
+    """Every per-chunk gradient term in one launch (``kda_bwd_grads_kernel``;
+    grid chunks x heads, looping over V blocks of ``block_v``, then twice over
+    K blocks of ``block_k``): the inter, wy and intra kernels' work.
+    BlockConfig's fields, ``dot`` the state terms' products with float32
+    intermediates (the inter kernel's: "ieee" for 16-bit ones, exact), and
 
     x_dot: the products with X^T and of the cotangents with v_new (the wy
       kernel's ``dot``; the "fp32" variant float32-grade).
+    product_dot: the intra-chunk products' backward (IntraConfig's ``dot``).
+    batched_l1: level 1 batched over diagonal blocks (IntraConfig's).
     """
 
     x_dot: str
+    product_dot: str
+    batched_l1: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        _check_dot("InterWyConfig", "x_dot", self.x_dot)
+        _check_dot("GradsConfig", "x_dot", self.x_dot)
+        _check_dot("GradsConfig", "product_dot", self.product_dot)
+        _check_bool("GradsConfig", "batched_l1", self.batched_l1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,15 +426,17 @@ class ForwardConfig:
             _fail(owner, "fold", self.fold, "must be a FoldConfig")
 
 
-def inter_wy_from(inter: Mapping, wy: Mapping) -> Variants:
-    """The fused inter and wy kernel's configs ("bf16", "fp16", "fp32") taken
-    from the two kernels it replaces: the wy kernel's blocks, warps and
-    products with X^T, the inter kernel's state products."""
+def grads_from(inter: Mapping, wy: Mapping, intra: Mapping) -> Variants:
+    """The fused gradient kernel's configs ("bf16", "fp16", "fp32") taken from
+    the three kernels it replaces: the wy kernel's blocks, warps and products
+    with X^T, the inter kernel's state products, the intra kernel's products
+    and level-1 form."""
     out = {}
     for key, work in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
-        ic, wc = inter[variant_key(inter, work, 128)], wy[variant_key(wy, work, 128)]
-        out[key] = InterWyConfig(block_k=wc.block_k, block_v=wc.block_v, warps=wc.warps,
-                                 dot=ic.dot, x_dot=wc.dot)
+        ic, wc, ac = (c[variant_key(c, work, 128)] for c in (inter, wy, intra))
+        out[key] = GradsConfig(block_k=wc.block_k, block_v=wc.block_v, warps=wc.warps,
+                               dot=ic.dot, x_dot=wc.dot, product_dot=ac.dot,
+                               batched_l1=ac.batched_l1)
     return Variants(out)
 
 
@@ -451,11 +459,12 @@ class BackwardConfig:
       matrices and gradients.
     fold: the transposed fold over segments (the backward's map runs at its
       state pass's launch).
-    inter_wy: the inter and wy kernels' work in one launch ("bf16", "fp16",
-      "fp32", or some of them), which runs in their place where
-      ``fused_inter_wy`` is True and it has the intermediates' variant
-      (:meth:`inter_wy_for`); by default every variant, its fields the two
-      kernels' (:func:`inter_wy_from`).
+    grads: every per-chunk gradient term in one launch ("bf16", "fp16",
+      "fp32", or some of them), which runs in place of the inter, wy and
+      intra kernels where ``fused_grads`` is True, it has the intermediates'
+      variant (:meth:`grads_for`) and its blocks divide K and V; by default
+      every variant,
+      its fields the three kernels' (:func:`grads_from`).
     gate_fp32_max_k: with the in-kernel gate (use_gate_in_kernel), 16-bit
       inputs get float32 intermediates, as float32 inputs do, for K up to
       this (0: never). The gate parameters' gradients (dA_log, ddt_bias) sum
@@ -499,9 +508,9 @@ class BackwardConfig:
       H100, at about 0.4 TB/s); or "forward", by the forward of a
       differentiated call from the raw inputs, kept as one int8 [B, T, HV]
       residual (a forward without a gradient computes nothing more).
-    fused_inter_wy: the state terms and the terms through X in one launch
-      (``inter_wy``) rather than two (``inter``, ``wy``): dw and the inter
-      kernel's partial gradients stay in registers.
+    fused_grads: the per-chunk gradients in one launch (``grads``) rather
+      than three (``inter``, ``wy``, ``intra``): dw stays in registers and
+      no partial gradient crosses a launch.
     """
 
     recompute: Mapping[str, PrepareConfig]
@@ -516,8 +525,8 @@ class BackwardConfig:
     normalized_qk: str = "fp32"
     transform_residuals: str = "saved"
     nonfinite_flags: str = "backward"
-    inter_wy: Mapping[str, InterWyConfig] | None = None
-    fused_inter_wy: bool = False
+    grads: Mapping[str, GradsConfig] | None = None
+    fused_grads: bool = False
 
     def __post_init__(self):
         owner = "BackwardConfig"
@@ -541,23 +550,25 @@ class BackwardConfig:
         _check_choice(owner, "normalized_qk", self.normalized_qk, NORMALIZED_QK)
         _check_choice(owner, "transform_residuals", self.transform_residuals, TRANSFORM_RESIDUALS)
         _check_choice(owner, "nonfinite_flags", self.nonfinite_flags, NONFINITE_FLAGS)
-        if self.inter_wy is None:
-            _set(self, "inter_wy", inter_wy_from(self.inter, self.wy))
-        _set(self, "inter_wy", _variants(owner, "inter_wy", self.inter_wy, InterWyConfig,
-                                         wide=False, complete=False))
-        if "fp32" in self.inter_wy:
-            _check_dot(owner, "inter_wy['fp32'].x_dot", self.inter_wy["fp32"].x_dot,
-                       FP32_GRADE, " (float32-grade: the products with X in float32 work)")
-        _check_bool(owner, "fused_inter_wy", self.fused_inter_wy)
+        if self.grads is None:
+            _set(self, "grads", grads_from(self.inter, self.wy, self.intra))
+        _set(self, "grads", _variants(owner, "grads", self.grads, GradsConfig, wide=False,
+                                      complete=False))
+        if "fp32" in self.grads:
+            _check_dot(owner, "grads['fp32'].x_dot", self.grads["fp32"].x_dot, FP32_GRADE,
+                       " (float32-grade: the products with X in float32 work)")
+        _check_bool(owner, "fused_grads", self.fused_grads)
 
-    def inter_wy_for(self, work: str, kd: int) -> InterWyConfig | None:
-        """The fused inter and wy kernel's config for intermediates of dtype
-        name ``work`` at K = ``kd``, or None where the two kernels run apart
-        (``fused_inter_wy`` off, or no variant of ``inter_wy`` for it)."""
-        if not self.fused_inter_wy:
+    def grads_for(self, work: str, kd: int) -> GradsConfig | None:
+        """The fused gradient kernel's config for intermediates of dtype name
+        ``work`` at K = ``kd``, or None where the inter, wy and intra kernels
+        run (``fused_grads`` off, or no variant of ``grads`` for it; the
+        launch also runs them where its blocks leave a masked one:
+        kda_jax.triton.backward.backward_launches)."""
+        if not self.fused_grads:
             return None
         try:
-            return self.inter_wy[variant_key(self.inter_wy, work, kd)]
+            return self.grads[variant_key(self.grads, work, kd)]
         except KeyError:
             return None
 

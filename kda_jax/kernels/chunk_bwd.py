@@ -32,11 +32,11 @@ STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl, G and X^T. Then:
   kda_bwd_wy_kernel       grid (chunks, HV): everything that needs X: dv,
                           dbeta's WY terms, B's terms of dk and dG, and
                           dL = -X^T M (the inverse's backward).
-  kda_bwd_inter_wy_kernel grid (chunks, HV): the inter and wy kernels' work
-                          in one program per chunk, in their place where
-                          the config says (BackwardConfig.inter_wy_for):
-                          dw and the state terms' partials stay in
-                          registers, and M = dv_new v_new^T.
+  kda_bwd_grads_kernel    grid (chunks, HV): the inter, wy and intra
+                          kernels' work in one program per chunk, in their
+                          place where the config says
+                          (BackwardConfig.grads_for): M = dv_new v_new^T,
+                          dw in registers, the partials in the outputs.
   kda_bwd_intra_kernel    grid (chunks x K blocks, HV): the intra-chunk
                           products back to dq, dk, dG; dg = reverse cumsum.
 
@@ -620,11 +620,13 @@ def _product_terms(b_q, b_k, b_g, b_b, dl, daqk, t0, n_rows, o_t, r64, m_t, i_hv
 def _finish_k_block(q, k, g, dl, daqk, dq_p, dk_p, dg_p, dq, dk, dg, b_b, i_h, i_hv, t0, n_rows,
                     o_t, rows, m_t, r64, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
                     K: tl.constexpr, BT: tl.constexpr, DOT_A: tl.constexpr,
-                    BATCHED: tl.constexpr):
+                    BATCHED: tl.constexpr, IN_PLACE: tl.constexpr):
     """The K block o_k of a chunk finished: the products' terms
     (_product_terms) added to the partial dq, dk, dG (dq_p, dk_p, dg_p
     [T, HV, K] fp32, loaded after the products: fewer tiles live), dg the
-    reverse cumsum of dG; stores dq, dk, dg and returns dbeta's term [BT]."""
+    reverse cumsum of dG; stores dq, dk, dg and returns dbeta's term [BT].
+    IN_PLACE: the partials are the outputs' own buffers (a barrier between
+    every thread's loads and any store over them)."""
     m_tk = m_t[:, None] & m_k[None, :]
     p_tk = r64[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     b_q = tile(q, rows, m_t, i_h, o_k, m_k, H, K)
@@ -638,6 +640,8 @@ def _finish_k_block(q, k, g, dl, daqk, dq_p, dk_p, dg_p, dq, dk, dg, b_b, i_h, i
     b_dq = tl.load(dq_p + p_tk, mask=m_tk, other=0.) + e_dq
     b_dG = tl.load(dg_p + p_tk, mask=m_tk, other=0.) + e_dG
     b_dg = tl.cumsum(tl.where(m_tk, b_dG, 0.), axis=0, reverse=True)
+    if IN_PLACE:
+        tl.debug_barrier()
     tl.store(dq + p_tk, b_dq, mask=m_tk)
     tl.store(dk + p_tk, b_dk, mask=m_tk)
     tl.store(dg + p_tk, b_dg, mask=m_tk)
@@ -671,31 +675,47 @@ def kda_bwd_intra_kernel(
     m_k = o_k < K
     b_db = _finish_k_block(q, k, g, dl, daqk, dq_p, dk_w, dg_w, dq, dk, dg, b_b, i_h, i_hv, t0,
                            n_rows, o_t, rows, m_t, r64, o_k, m_k, H, HV, K, BT, DOT_A,
-                           BATCHED_L1)
+                           BATCHED_L1, False)
     tl.store(dbeta_k + (r64 * HV + i_hv) * NK + i_k, b_db, mask=m_t)
 
 
 @triton.jit
-def kda_bwd_inter_wy_kernel(
+def _loop_variant_zero(ks, n_tokens):
+    """0, as a function of the loop index ks and a runtime scalar (n_tokens is
+    never negative). Row and address tiles offset by it are loop-variant to
+    every compiler pass: each trip of kda_bwd_grads_kernel's last K loop
+    rebuilds them where they are used. Left invariant, they were hoisted out
+    of the loop and held across it: the kernel spilled 240 bytes on sm90 at 4
+    warps, where the same work as one program per K block (the intra kernel)
+    holds 246 registers."""
+    return ks * (n_tokens < 0).to(tl.int32)
+
+
+@triton.jit
+def kda_bwd_grads_kernel(
     q, k, v, g, gc, beta, x, h, dh, vn, dvn, do, meta, off_cu, off_ct, n_bounds, n_tokens,
-    dq_p, dk_w, dg_w, dv, dbeta, dl, daqk,
+    dq, dk, dv, dg, dbeta, dl, daqk,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
-    DOT: tl.constexpr, DOT_X: tl.constexpr,
+    DOT: tl.constexpr, DOT_X: tl.constexpr, DOT_A: tl.constexpr, BATCHED_L1: tl.constexpr,
 ):
-    """The inter and wy kernels' work in one program per (chunk, value head),
-    for the intra kernel: dv, dbeta's WY terms, dL and scale * dAqk ([T, HV,
-    BT] fp32), and the partial dq, dk, dG that the intra kernel completes
-    (dq_p, dk_w, dg_w, as the wy kernel's), with neither dw nor the inter
-    kernel's partials in memory.
+    """The inter, wy and intra kernels' work in one program per (chunk, value
+    head): every gradient of the chunk's rows (dq, dk, dg, dv, dbeta), dw
+    and the state terms' partials never in memory.
 
     First over V blocks: dAqk = do v_new^T, dv and dbeta's v term
     (d(beta v) = X^T dv_new), and M = dv_new v_new^T. M is the wy kernel's
     dv_new u^T + dw w^T with dw = -dv_new h^T, summed: u - w h = v_new, so
-    dL = -X^T M needs no pass over K. Then over K blocks: the state terms
-    (_state_terms) and B's terms through dB = X^T dw (_b_terms). Precisions:
-    DOT the state terms' products with float32 intermediates (the inter
-    kernel's), DOT_X those with X^T and of the cotangents with v_new (the wy
+    dL = -X^T M needs no pass over K. dL and scale * dAqk go to dl and daqk
+    ([T, HV, BT] fp32, this program's rows; scratch the last pass reads back
+    from L1 or L2). Then over K blocks: the state terms (_state_terms) and
+    B's terms through dB = X^T dw (_b_terms), stored as partial dq, dk, dG
+    in the outputs. Then over K blocks again: the products' terms added in
+    place and dg the reverse cumsum of dG (_finish_k_block). The two K passes
+    hold their tiles apart, each at its own kernel's registers.
+    Precisions: DOT the state terms' products with float32 intermediates
+    (the inter kernel's), DOT_X those with X^T and of the cotangents with
+    v_new (the wy kernel's), DOT_A the intra-chunk products' (the intra
     kernel's). dq and dk are per value head (the caller sums a GVA group)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -723,8 +743,7 @@ def kda_bwd_inter_wy_kernel(
              mask=m_t[:, None])
     _store_dl(dl, x, b_m, p_tt, o_t, m_t, DOT_X)
 
-    # K blocks: the state terms and B's terms, as partial dq, dk, dG (dw
-    # never leaves registers).
+    # K blocks: the state terms and B's terms, as partial dq, dk, dG.
     for ks in range(0, K, BK):
         o_k = ks + tl.arange(0, BK)
         m_k = o_k < K
@@ -736,7 +755,18 @@ def kda_bwd_inter_wy_kernel(
         e_dk, e_dG, e_db = _b_terms(_dot_16(_x_transposed(x, p_tt, m_t), b_dw, DOT_X), b_k,
                                     b_eg, b_b)
         b_db += e_db
-        tl.store(dq_p + p_tk, b_dq, mask=m_tk)
-        tl.store(dk_w + p_tk, b_dk + e_dk, mask=m_tk)
-        tl.store(dg_w + p_tk, b_dG + e_dG, mask=m_tk)
+        tl.store(dq + p_tk, b_dq, mask=m_tk)
+        tl.store(dk + p_tk, b_dk + e_dk, mask=m_tk)
+        tl.store(dg + p_tk, b_dG + e_dG, mask=m_tk)
+    tl.debug_barrier()  # dl, daqk and every partial stored before any is read
+
+    # K blocks again: the products' terms, in place. Triton's hoisting is off
+    # and the row tiles are offset by a loop-variant zero (_loop_variant_zero).
+    for ks in tl.range(0, K, BK, disable_licm=True):
+        z = _loop_variant_zero(ks, n_tokens)
+        b_bk = tl.load(beta + (r64 + z) * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+        b_db += _finish_k_block(q, k, g, dl, daqk, dq, dk, dg, dq, dk, dg, b_bk, i_h, i_hv,
+                                t0 + z, n_rows, o_t, rows + z, m_t & (o_t + z >= 0), r64 + z,
+                                ks + tl.arange(0, BK), ks + tl.arange(0, BK) < K, H, HV, K,
+                                BT, DOT_A, BATCHED_L1, True)
     tl.store(dbeta + r64 * HV + i_hv, b_db, mask=m_t)

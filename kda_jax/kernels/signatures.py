@@ -107,12 +107,12 @@ SIGNATURES = {
         outputs=(("dv", F32), ("dk_w", F32), ("dg_w", F32), ("dl", F32), ("daqk", F32),
                  ("dbeta", F32)),
     ),
-    "kda_bwd_inter_wy_kernel": Signature(
+    "kda_bwd_grads_kernel": Signature(
         "chunk_bwd",
         inputs=(("q", IN), ("k", IN), ("v", IN), ("g", IN), ("gc", F32), ("beta", IN),
                 ("x", F32), ("h", STATE), ("dh", STATE), ("vn", WORK), ("dvn", WORK),
                 ("do", IN)) + _META_CHUNKS,
-        outputs=(("dq_p", F32), ("dk_w", F32), ("dg_w", F32), ("dv", F32), ("dbeta", F32),
+        outputs=(("dq", F32), ("dk", F32), ("dv", F32), ("dg", F32), ("dbeta", F32),
                  ("dl", F32), ("daqk", F32)),
     ),
     "kda_bwd_intra_kernel": Signature(

@@ -14,9 +14,9 @@ backward
    X = (I + L)^-1 too, then the kernels of ``kda_jax.kernels.chunk_bwd``:
    state pass and reverse state pass (a launch each, or one launch for both
    where the config says so; over segments when the call is segmented,
-   :mod:`kda_jax.triton.state_chain`), then per chunk the state terms and
-   the terms through X (two kernels, or one where the config fuses them),
-   and the intra-chunk products,
+   :mod:`kda_jax.triton.state_chain`), then per chunk the state terms, the
+   terms through X and the intra-chunk products (three kernels, or one
+   where the config fuses them),
 3. sums dq and dk over each GVA group (the kernels work per value head) and
    chains everything through the transforms' vjp.
 
@@ -116,15 +116,19 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                       has_final_grad: bool, work) -> dict[str, KernelLaunch]:
     """The backward kernels' launches for these shapes, options and config,
     by kernel name (in launch order): the two state passes, then the three
-    per-chunk kernels (the inter and wy kernels' work in one where
-    ``config.inter_wy_for`` gives its config). The one place their constexprs are derived:
+    per-chunk kernels, or the fused gradient kernel in their place where
+    ``config.grads_for`` gives its config. The one place their constexprs are derived:
     :func:`core_backward` launches with them, :mod:`bench.aot` compiles
     with them."""
     bt = opts.chunk_size
     name = jnp.dtype(work).name
     sc, dc, ic, wc, ac = (c[variant_key(c, name, kd)] for c in (
         config.state, config.dstate, config.inter, config.wy, config.intra))
-    iwc = config.inter_wy_for(name, kd)
+    grc = config.grads_for(name, kd)
+    if grc is not None and (kd % _block(kd, grc.block_k) or vd % _block(vd, grc.block_v)):
+        # A masked K or V block holds more registers: at K = 100, V = 60 the
+        # fused kernel spilled 80 bytes on sm90 under Triton 3.9.
+        grc = None
     bk_state = next_pow2(max(kd, 16))
     # The state as two K halves where the intermediates call for it (as the
     # forward's), in each pass whose config allows it.
@@ -144,11 +148,12 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             SPLIT_K=split and dc.split_k, STORE_CHUNKS=True),
             dc.warps, dc.stages),
     ]
-    if iwc is not None:
-        launches.append(KernelLaunch("kda_bwd_inter_wy_kernel", dict(
-            H=h, **common, BK=_block(kd, iwc.block_k), BV=_block(vd, iwc.block_v),
-            SCALE=float(opts.scale), DOT=dot_precision(iwc.dot),
-            DOT_X=dot_precision(iwc.x_dot)), iwc.warps, 1))
+    if grc is not None:
+        launches.append(KernelLaunch("kda_bwd_grads_kernel", dict(
+            H=h, **common, BK=_block(kd, grc.block_k), BV=_block(vd, grc.block_v),
+            SCALE=float(opts.scale), DOT=dot_precision(grc.dot),
+            DOT_X=dot_precision(grc.x_dot), DOT_A=dot_precision(grc.product_dot),
+            BATCHED_L1=grc.batched_l1), grc.warps, 1))
     else:
         launches += [
             KernelLaunch("kda_bwd_inter_kernel", dict(
@@ -158,13 +163,11 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             KernelLaunch("kda_bwd_wy_kernel", dict(
                 H=h, **common, BK=_block(kd, wc.block_k), BV=_block(vd, wc.block_v),
                 SCALE=float(opts.scale), DOT_X=dot_precision(wc.dot)),
-                wc.warps, 1)]
-    launches += [
-        KernelLaunch("kda_bwd_intra_kernel", dict(
-            H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, ac.block_k), DOT_A=dot_precision(ac.dot),
-            BATCHED_L1=ac.batched_l1),
-            ac.warps, 1),
-    ]
+                wc.warps, 1),
+            KernelLaunch("kda_bwd_intra_kernel", dict(
+                H=h, HV=hv, K=kd, BT=bt, BK=_block(kd, ac.block_k), DOT_A=dot_precision(ac.dot),
+                BATCHED_L1=ac.batched_l1),
+                ac.warps, 1)]
     return {launch_.kernel: launch_ for launch_ in launches}
 
 
@@ -258,33 +261,32 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
             dict(dh=chunk_states, dvn=sds(tv.shape, work),
                  dh0=sds(state_shape if initial_state is not None else (4,), f32)))
 
-    if "kda_bwd_inter_wy_kernel" in L:
-        wy = run(
-            "kda_bwd_inter_wy_kernel", (n_chunks, hv, 1),
+    if "kda_bwd_grads_kernel" in L:
+        grads = run(
+            "kda_bwd_grads_kernel", (n_chunks, hv, 1),
             dict(q=q, k=k, v=v, g=g, gc=r["gc"], beta=beta, x=r["x"], h=state["h"],
                  dh=dstate["dh"], vn=state["vn"], dvn=dstate["dvn"], do=do, **by_chunk),
-            dict(dq_p=tk, dk_w=tk, dg_w=tk, dv=tv, dbeta=sds((tokens, hv), f32), dl=tt,
-                 daqk=tt))
-        dq_p = wy["dq_p"]
-    else:
-        n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
-        inter = run(
-            "kda_bwd_inter_kernel", (n_chunks, hv, n_k),
-            dict(q=q, k=k, gc=r["gc"], g=g, h=state["h"], dh=dstate["dh"], vn=state["vn"],
-                 dvn=dstate["dvn"], do=do, **by_chunk),
-            dict(dq=tk, dk=tk, dg=tk, dw=tk))
-        wy = run(
-            "kda_bwd_wy_kernel", (n_chunks, hv, 1),
-            dict(k=k, v=v, gc=r["gc"], beta=beta, x=r["x"], w=r["w"], u=r["u"], vn=state["vn"],
-                 dvn=dstate["dvn"], do=do, dk_p=inter["dk"], dg_p=inter["dg"], dw=inter["dw"],
-                 **by_chunk),
-            dict(dv=tv, dk_w=tk, dg_w=tk, dl=tt, daqk=tt, dbeta=sds((tokens, hv), f32)))
-        dq_p = inter["dq"]
+            dict(dq=tk, dk=tk, dv=tv, dg=tk, dbeta=sds((tokens, hv), f32), dl=tt, daqk=tt))
+        return (grads["dq"], grads["dk"], grads["dv"], grads["dg"], grads["dbeta"],
+                dstate["dh0"] if initial_state is not None else None)
+
+    n_k = -(-kd // L["kda_bwd_inter_kernel"].constexprs["BK"])
+    inter = run(
+        "kda_bwd_inter_kernel", (n_chunks, hv, n_k),
+        dict(q=q, k=k, gc=r["gc"], g=g, h=state["h"], dh=dstate["dh"], vn=state["vn"],
+             dvn=dstate["dvn"], do=do, **by_chunk),
+        dict(dq=tk, dk=tk, dg=tk, dw=tk))
+    wy = run(
+        "kda_bwd_wy_kernel", (n_chunks, hv, 1),
+        dict(k=k, v=v, gc=r["gc"], beta=beta, x=r["x"], w=r["w"], u=r["u"], vn=state["vn"],
+             dvn=dstate["dvn"], do=do, dk_p=inter["dk"], dg_p=inter["dg"], dw=inter["dw"],
+             **by_chunk),
+        dict(dv=tv, dk_w=tk, dg_w=tk, dl=tt, daqk=tt, dbeta=sds((tokens, hv), f32)))
 
     n_k = -(-kd // L["kda_bwd_intra_kernel"].constexprs["BK"])
     intra = run(
         "kda_bwd_intra_kernel", (n_chunks * n_k, hv, 1),
-        dict(q=q, k=k, g=g, beta=beta, dl=wy["dl"], daqk=wy["daqk"], dq_p=dq_p,
+        dict(q=q, k=k, g=g, beta=beta, dl=wy["dl"], daqk=wy["daqk"], dq_p=inter["dq"],
              dk_w=wy["dk_w"], dg_w=wy["dg_w"], **by_chunk),
         dict(dq=tk, dk=tk, dg=tk, dbeta_k=sds((tokens, hv, n_k), f32)))
     dq, dk, dg, dv, dh0 = intra["dq"], intra["dk"], intra["dg"], wy["dv"], dstate["dh0"]
