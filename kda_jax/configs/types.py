@@ -213,8 +213,8 @@ class GradsConfig(BlockConfig):
     """Every per-chunk gradient term in one launch (``kda_bwd_grads_kernel``;
     grid chunks x heads, looping over V blocks of ``block_v``, then twice over
     K blocks of ``block_k``): the inter, wy and intra kernels' work.
-    BlockConfig's fields, ``dot`` the state terms' products with float32
-    intermediates (the inter kernel's: "ieee" for 16-bit ones, exact), and
+    BlockConfig's fields, ``dot`` the state terms' products (the inter
+    kernel's: "ieee" for 16-bit intermediates, exact), and
 
     x_dot: the products with X^T and of the cotangents with v_new (the wy
       kernel's ``dot``; the "fp32" variant float32-grade).

@@ -1,4 +1,4 @@
-"""Chunked KDA backward: five kernels after a recompute (docs/kda.md sections 3 and 4).
+"""Chunked KDA backward: the kernels after a recompute (docs/kda.md sections 3 and 4).
 
 The kernels see the *transformed* inputs (L2 norm, gate and beta transforms
 are applied and differentiated in JAX by the caller, kda_jax.triton.backward):
@@ -27,25 +27,27 @@ STORE_X, grid (chunks, HV): w, u, qg, kt, Aqk, gl, G and X^T. Then:
                           gradient (only that without STORE_CHUNKS).
   (Segmented, kda_jax.triton.state_chain: both state passes per segment, the
   reverse one twice, and the segments' bounds as the sequences.)
+  Then per chunk either the three kernels below or kda_bwd_grads_kernel:
   kda_bwd_inter_kernel    grid (chunks, HV, K blocks): the state terms dqg,
                           dw, dkt, dgl, turned into partial dq, dk, dG.
   kda_bwd_wy_kernel       grid (chunks, HV): everything that needs X: dv,
                           dbeta's WY terms, B's terms of dk and dG, and
                           dL = -X^T M (the inverse's backward).
-  kda_bwd_grads_kernel    grid (chunks, HV): the inter, wy and intra
-                          kernels' work in one program per chunk, in their
-                          place where the config says
-                          (BackwardConfig.grads_for): M = dv_new v_new^T,
-                          dw in registers, the partials in the outputs.
   kda_bwd_intra_kernel    grid (chunks x K blocks, HV): the intra-chunk
                           products back to dq, dk, dG; dg = reverse cumsum.
+  kda_bwd_grads_kernel    grid (chunks, HV): the three kernels' work in one
+                          program per chunk, in their place where the
+                          config says (BackwardConfig.grads_for) and K, V
+                          are multiples of its blocks: M = dv_new v_new^T,
+                          dw in registers, the partials in the outputs.
 
 Layouts: h, dS [NC, HV, K, V] fp32 (K first, whatever the state layout);
 v_new, dv_new [T, HV, V] and w, qg, kt, aqk as the forward's (work dtype);
-X, dL and scale * dAqk [T, HV, BT] fp32; partial dq, dk, dG and dw
-[T, HV, K] fp32. dq and dk are per value head (the caller sums a GVA group);
-dbeta comes in two parts (the wy kernel's [T, HV] and the intra kernel's
-[T, HV, NK]) that the caller adds. Varlen metadata as chunk_fwd, clamped by
+X, dL and scale * dAqk [T, HV, BT] fp32; between the three kernels partial
+dq, dk, dG and dw [T, HV, K] fp32. dq and dk are per value head (the caller
+sums a GVA group); with the three kernels dbeta comes in two parts (the wy
+kernel's [T, HV] and the intra kernel's [T, HV, NK]) that the caller adds,
+the fused kernel writes it whole. Varlen metadata as chunk_fwd, clamped by
 kernels.varlen (n_bounds, n_tokens, n_chunk_rows as there).
 
 Exponents stay bounded as in the forward: e^G, e^(G_last - G) and e^(G_last)
@@ -684,10 +686,9 @@ def _loop_variant_zero(ks, n_tokens):
     """0, as a function of the loop index ks and a runtime scalar (n_tokens is
     never negative). Row and address tiles offset by it are loop-variant to
     every compiler pass: each trip of kda_bwd_grads_kernel's last K loop
-    rebuilds them where they are used. Left invariant, they were hoisted out
-    of the loop and held across it: the kernel spilled 240 bytes on sm90 at 4
-    warps, where the same work as one program per K block (the intra kernel)
-    holds 246 registers."""
+    rebuilds them where they are used. Loop-invariant, they are hoisted out of
+    the loop and held across it, and the kernel spills on sm90 at 4 warps
+    (docs/tuning.md, "The per-chunk gradients in one launch")."""
     return ks * (n_tokens < 0).to(tl.int32)
 
 
@@ -700,8 +701,8 @@ def kda_bwd_grads_kernel(
     DOT: tl.constexpr, DOT_X: tl.constexpr, DOT_A: tl.constexpr, BATCHED_L1: tl.constexpr,
 ):
     """The inter, wy and intra kernels' work in one program per (chunk, value
-    head): every gradient of the chunk's rows (dq, dk, dg, dv, dbeta), dw
-    and the state terms' partials never in memory.
+    head): every gradient of the chunk's rows (dq, dk, dg, dv, dbeta); dw
+    never in memory, the partial dq, dk, dG in the outputs.
 
     First over V blocks: dAqk = do v_new^T, dv and dbeta's v term
     (d(beta v) = X^T dv_new), and M = dv_new v_new^T. M is the wy kernel's
@@ -712,9 +713,9 @@ def kda_bwd_grads_kernel(
     B's terms through dB = X^T dw (_b_terms), stored as partial dq, dk, dG
     in the outputs. Then over K blocks again: the products' terms added in
     place and dg the reverse cumsum of dG (_finish_k_block). The two K passes
-    hold their tiles apart, each at its own kernel's registers.
-    Precisions: DOT the state terms' products with float32 intermediates
-    (the inter kernel's), DOT_X those with X^T and of the cotangents with
+    hold their tiles apart (the second's are the intra kernel's).
+    Precisions: DOT the state terms' products (the inter kernel's; exact
+    "ieee" for 16-bit intermediates), DOT_X those with X^T and of the cotangents with
     v_new (the wy kernel's), DOT_A the intra-chunk products' (the intra
     kernel's). dq and dk are per value head (the caller sums a GVA group)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)

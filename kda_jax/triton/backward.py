@@ -127,7 +127,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     grc = config.grads_for(name, kd)
     if grc is not None and (kd % _block(kd, grc.block_k) or vd % _block(vd, grc.block_v)):
         # A masked K or V block holds more registers: at K = 100, V = 60 the
-        # fused kernel spilled 80 bytes on sm90 under Triton 3.9.
+        # fused kernel spills 80 bytes on sm90 under Triton 3.9.
         grc = None
     bk_state = next_pow2(max(kd, 16))
     # The state as two K halves where the intermediates call for it (as the
