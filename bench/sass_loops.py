@@ -59,6 +59,12 @@ triton.compile = keep
 # A spec by its name, or by the name less a pool suffix ("main/c64/all" for
 # "main/c64/all/bf16-pool", whose pool changes no chunked kernel).
 spec = next(s for s in aot.SPECS if s.name == spec_name or s.name.startswith(spec_name + "/"))
+# A kernel the target's config does not launch at this spec (bench.aot.applies:
+# the per-chunk gradient kernels or their fused form) compiles nothing.
+applies = getattr(aot, "applies", None)
+if applies is not None and not applies(kernel, target, spec):
+    json.dump({"applies": False}, open(out + ".json", "w"))
+    sys.exit(0)
 row = aot.compile_one(kernel, target, spec)
 c = captured.get("c")
 if c is not None and target == "sm90":

@@ -463,8 +463,7 @@ class BackwardConfig:
       "fp32", or some of them), which runs in place of the inter, wy and
       intra kernels where ``fused_grads`` is True, it has the intermediates'
       variant (:meth:`grads_for`) and its blocks divide K and V; by default
-      every variant,
-      its fields the three kernels' (:func:`grads_from`).
+      every variant, its fields the three kernels' (:func:`grads_from`).
     gate_fp32_max_k: with the in-kernel gate (use_gate_in_kernel), 16-bit
       inputs get float32 intermediates, as float32 inputs do, for K up to
       this (0: never). The gate parameters' gradients (dA_log, ddt_bias) sum
