@@ -592,6 +592,8 @@ def test_grads_config_names_its_values():
         cfg(block_k=24)
     with pytest.raises(ValueError, match="GradsConfig: product_dot='fp8' must be one of"):
         cfg(product_dot="fp8")
+    with pytest.raises(ValueError, match="GradsConfig: stages=5 must be one of 1, 2, 3, 4"):
+        cfg(stages=5)
 
 
 @pytest.mark.parametrize("dtype", ["float16"])

@@ -14,6 +14,7 @@ in the kernel).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -24,6 +25,7 @@ import numpy as np
 
 import kda_jax
 from bench import sweep
+from bench.backward import forward_backward
 from bench.inputs import GATES, make, make_gated
 
 
@@ -31,7 +33,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("shape", help="B,T,H (K = V = --head-dim, bf16)")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--backward", action="store_true", help="the gradient of sum(o * do) too")
+    p.add_argument("--backward", action="store_true",
+                   help="the gradient of sum(o * do) too, with o (bench.backward.forward_backward)")
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--gates", choices=GATES, help="a gate regime (default: make's inputs)")
     p.add_argument("--impls", default="triton",
@@ -53,8 +56,7 @@ def main(argv=None):
                                              **flags)[0]
         step = fwd
         if args.backward:
-            loss = lambda x, p: jnp.sum(fwd(x, p).astype(jnp.float32) * do)
-            step = jax.grad(loss, argnums=(0, 1))
+            step = functools.partial(forward_backward(name, None, flags), do=do)
         with traced:
             step = jax.jit(step).lower(tuple(x), params).compile()
         for _ in range(args.calls):

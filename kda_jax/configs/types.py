@@ -220,17 +220,20 @@ class GradsConfig(BlockConfig):
       kernel's ``dot``; the "fp32" variant float32-grade).
     product_dot: the intra-chunk products' backward (IntraConfig's ``dot``).
     batched_l1: level 1 batched over diagonal blocks (IntraConfig's).
+    stages: Triton's software pipelining of the loops' loads (num_stages).
     """
 
     x_dot: str
     product_dot: str
     batched_l1: bool = False
+    stages: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         _check_dot("GradsConfig", "x_dot", self.x_dot)
         _check_dot("GradsConfig", "product_dot", self.product_dot)
         _check_bool("GradsConfig", "batched_l1", self.batched_l1)
+        _check_int("GradsConfig", "stages", self.stages, (1, 2, 3, 4))
 
 
 @dataclasses.dataclass(frozen=True)

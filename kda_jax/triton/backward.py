@@ -153,7 +153,7 @@ def backward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
             H=h, **common, BK=_block(kd, grc.block_k), BV=_block(vd, grc.block_v),
             SCALE=float(opts.scale), DOT=dot_precision(grc.dot),
             DOT_X=dot_precision(grc.x_dot), DOT_A=dot_precision(grc.product_dot),
-            BATCHED_L1=grc.batched_l1), grc.warps, 1))
+            BATCHED_L1=grc.batched_l1), grc.warps, grc.stages))
     else:
         launches += [
             KernelLaunch("kda_bwd_inter_kernel", dict(
