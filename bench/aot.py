@@ -60,13 +60,19 @@ __all__ = ["TARGETS", "SPECS", "SUMMARY_SPEC", "Spec", "compile_one", "plan_one"
            "summary", "summary_table", "main"]
 
 KERNELS = ("kda_fwd_prepare_kernel", "kda_fwd_state_output_kernel")
-# The backward's kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
+# The kernels of a differentiated call beyond the forward's: the forward's
+# prepare kernel as a differentiated call launches it where the target's
+# backward config has it store the non-finite flags (nonfinite_flags "prepare";
+# no row elsewhere), and the backward's
+# kernels (kda_jax.kernels.chunk_bwd), at the constexprs that
 # kda_jax.triton.backward.backward_launches gives them: the inter, wy and intra
 # kernels, or where the target's config sets fused_grads their work in one (the
 # other form has no row there).
-BWD_KERNELS = ("kda_bwd_recompute", "kda_bwd_state_kernel", "kda_bwd_dstate_kernel",
-               "kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel",
-               "kda_bwd_grads_kernel")
+BWD_KERNELS = ("kda_fwd_prepare_flags", "kda_bwd_recompute", "kda_bwd_state_kernel",
+               "kda_bwd_dstate_kernel", "kda_bwd_inter_kernel", "kda_bwd_wy_kernel",
+               "kda_bwd_intra_kernel", "kda_bwd_grads_kernel")
+# The kernels with a row only where the target's config launches them.
+_CONDITIONAL = ("kda_fwd_prepare_flags",)
 # The per-chunk kernels of which a config launches the first three or the last.
 _PER_CHUNK = ("kda_bwd_inter_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel",
               "kda_bwd_grads_kernel")
@@ -201,6 +207,7 @@ def _spec_options(spec: Spec):
 # kernel name is its function's; the functions' arguments and their kinds are
 # kda_jax.kernels.signatures'.
 _FUNCTION = {"kda_bwd_recompute": "kda_fwd_prepare_kernel",
+             "kda_fwd_prepare_flags": "kda_fwd_prepare_kernel",
              "kda_segment_map_bwd": "kda_segment_map_kernel",
              "kda_segment_fold_bwd": "kda_segment_fold_kernel",
              "kda_segment_fold_reverse": "kda_segment_fold_kernel",
@@ -259,6 +266,8 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
     # 32 spill there (large: 72 and 712 bytes; masked: 8 and 56), so the gate
     # keeps this form until their configs compile without spills.
     work = backward_work_dtype(_in_dtype(spec), opts, config, spec.K)
+    if kernel == "kda_fwd_prepare_flags":
+        return _prepare_flags_launch(target, spec, config)
     if kernel == "kda_bwd_recompute":
         launch = recompute_launch(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
                                   config=config, work=work)
@@ -270,6 +279,30 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
         if launch is None:
             return None
     return launch, config, _TRITON_DTYPE[jnp.dtype(work).name]
+
+
+def _prepare_flags_launch(target: str, spec: Spec, bwd_config):
+    """The forward's prepare kernel as a differentiated call launches it
+    (storing the non-finite flags), or None where ``bwd_config`` does not
+    keep them from the forward or XLA computes them (flags_in_prepare)."""
+    import jax.numpy as jnp
+
+    from kda_jax.configs import forward_config
+    from kda_jax.triton.forward import forward_launches, work_dtype
+
+    from kda_jax.triton.forward import flags_in_prepare
+
+    opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
+    config = forward_config(target, spec.chunk)
+    if (bwd_config.nonfinite_flags != "prepare"
+            or not flags_in_prepare(config, _in_dtype(spec), spec.K)):
+        return None
+    work = work_dtype(_in_dtype(spec))
+    prep, _ = forward_launches(h=spec.H, hv=spec.HV, kd=spec.K, vd=spec.V, opts=opts,
+                               config=config, work=work, has_a_log=has_a_log,
+                               has_dt_bias=has_dt_bias, has_initial_state=has_h0,
+                               store_flags=True)
+    return prep, config, _TRITON_DTYPE[jnp.dtype(work).name]
 
 
 def _segment_launch_for(kernel: str, target: str, spec: Spec):
@@ -321,7 +354,7 @@ def applies(kernel: str, target: str, spec: Spec) -> bool:
     only where its state pass holds the state whole (and its state passes at
     chunk 64); the per-chunk gradient kernels, or their fused form, as the
     target's config launches them (fused_grads); every other kernel everywhere."""
-    if kernel in _PER_CHUNK:
+    if kernel in _PER_CHUNK + _CONDITIONAL:
         return _bwd_launch_for(kernel, target, spec) is not None
     if kernel not in SEGMENT_KERNELS:
         return True
@@ -713,7 +746,8 @@ def run(targets=tuple(TARGETS), specs=SPECS, kernels=ALL_KERNELS, jobs: int = 2,
 # Command line.
 # --------------------------------------------------------------------------- #
 
-_SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_state_output_kernel": "state_output",
+_SHORT = {"kda_fwd_prepare_kernel": "prepare", "kda_fwd_prepare_flags": "prepare_flags",
+          "kda_fwd_state_output_kernel": "state_output",
           "kda_fused_recurrent_kernel": "decode",
           "kda_bwd_recompute": "bwd_recompute", "kda_bwd_state_kernel": "bwd_state",
           "kda_bwd_dstate_kernel": "bwd_dstate",

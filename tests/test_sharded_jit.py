@@ -67,7 +67,7 @@ def _program(fn, gate: bool):
                       A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, **kw)
 
         (o, s), vjp = jax.vjp(call, *(arrays[i] for i in present))
-        return o, s, vjp((w_o, w_s))
+        return o, s, vjp((w_o.astype(o.dtype), w_s))
 
     return program
 
@@ -135,18 +135,22 @@ def test_forward_and_grad_stay_sharded(batch, heads, gate, check_rel_rms):
         assert not found, found
 
 
-def test_grad_with_the_forwards_nonfinite_flags_stays_sharded():
-    """BackwardConfig.nonfinite_flags="forward": the flags kept by the forward
-    (one int8 per token and value head) shard with the rows and heads. With a
-    NaN in k of the second row's second q/k head, the sharded gradients equal
-    the unsharded call's (NaN where it has NaN), and no collective is added."""
+@pytest.mark.parametrize("where", ["forward", "prepare"])
+def test_grad_with_the_forwards_nonfinite_flags_stays_sharded(where):
+    """BackwardConfig.nonfinite_flags "forward" and "prepare" (bf16 q, k, v:
+    the prepare kernel stores them): the flags kept by the forward (one int8
+    per token and value head) shard with the rows and heads. With a NaN in k
+    of the second row's second q/k head, the sharded gradients equal the
+    unsharded call's (NaN where it has NaN), and no collective is added."""
     from kda_jax import configs
 
     arrays = list(_inputs(True))
+    if where == "prepare":
+        arrays[:3] = [a.astype(jnp.bfloat16) for a in arrays[:3]]
     arrays[1] = arrays[1].at[1, 7, 1, 3].set(jnp.nan)
     mesh = _mesh()
     placed = _place(arrays, mesh, _specs("data", "model"))
-    bwd = configs.replace(configs.backward_config(), {"nonfinite_flags": "forward"})
+    bwd = configs.replace(configs.backward_config(), {"nonfinite_flags": where})
     with configs.override(bwd):
         compiled = jax.jit(_program(_triton, True)).lower(*placed).compile()
         o1, s1, grads1 = jax.jit(_program(_triton, True))(*arrays)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ import numpy as np
 import pytest
 
 import kda_jax
-from kda_jax import configs, testing
+from kda_jax import configs, testing, transforms
+from kda_jax.options import KdaOptions
 from kda_jax.testing import TOLERANCES, make_inputs
 from kda_jax.triton import interpret_mode, unavailable_reason
 from guards import no_device_reads
@@ -701,10 +703,11 @@ def test_transform_residuals_recomputed(dtype):
 
 @pytest.mark.parametrize("layout", ["dense", "dense-recompute", "varlen", "vmap"])
 def test_nonfinite_flags_from_the_forward(layout):
-    """BackwardConfig.nonfinite_flags="forward": the forward of a differentiated
-    call keeps the per-token non-finite flags, and the backward takes them
-    instead of recomputing them with the transforms. The same gradients, bit for
-    bit, as "backward", with hostile entries that poison rows (NaN in k, v,
+    """BackwardConfig.nonfinite_flags "forward" and "prepare" (bf16 inputs: the
+    prepare kernel stores them): the forward of a differentiated call keeps
+    the per-token non-finite flags, and the backward takes them instead of
+    recomputing them with the transforms. The same gradients, bit for bit, as
+    "backward", with hostile entries that poison rows (NaN in k, v,
     the raw gate and beta) and one that spoils a single output (NaN in q),
     over a dense batch, packed sequences and jax.vmap, and with the transforms
     recomputed in their gradient (transform_residuals="recompute", as sm90
@@ -730,46 +733,106 @@ def test_nonfinite_flags_from_the_forward(layout):
     residuals = "recompute" if layout == "dense-recompute" else "saved"
     base = configs.replace(configs.backward_config(), {"transform_residuals": residuals})
     got, saved = {}, {}
-    for where in ("backward", "forward"):
+    for where in ("backward", "forward", "prepare"):
         with configs.override(configs.replace(base, {"nonfinite_flags": where})):
             loss = _loss(fast, arrays, call_kw, w_o, w_f) if layout != "vmap" else _mapped_loss(
                 fast, arrays, call_kw, w_o, w_f)
             got[where] = jax.jit(jax.grad(loss))({n: arrays[n] for n in wrt})
             text = str(jax.make_jaxpr(jax.grad(loss))({n: arrays[n] for n in wrt}))
-            saved[where] = "i8[" in text
-    assert saved == {"backward": False, "forward": True}
+            saved[where] = re.search(r"i8\[\d+,\d+,\d+\]", text) is not None  # [B, T, HV]
+    assert saved == {"backward": False, "forward": True, "prepare": True}
     for n in wrt:
-        a, b = np.asarray(got["forward"][n], np.float32), np.asarray(got["backward"][n], np.float32)
-        assert np.isnan(a).sum() < a.size, f"d{n}: all NaN"
-        np.testing.assert_array_equal(a, b, err_msg=f"d{n}")
+        b = np.asarray(got["backward"][n], np.float32)
+        for where in ("forward", "prepare"):
+            a = np.asarray(got[where][n], np.float32)
+            assert np.isnan(a).sum() < a.size, f"d{n}: all NaN"
+            np.testing.assert_array_equal(a, b, err_msg=f"d{n} ({where})")
 
 
-def test_nonfinite_flags_reach_the_backward(monkeypatch):
-    """With nonfinite_flags="forward" the backward reads the forward's flags and
-    not its own: flags that poison a clean token (a stand-in for the forward's
-    computation) zero the cotangent of o at that row and the rows after it in
-    its sequence (so dv there is 0), and move no other sequence or head; with
-    "backward" they are never computed."""
-    from kda_jax import transforms
+@pytest.mark.parametrize("gate, sigmoid, l2norm", [(False, False, False), (True, True, True),
+                                                   (True, False, False)])
+def test_prepare_kernel_flags_match_the_transforms(gate, sigmoid, l2norm):
+    """The flags the forward's prepare kernel writes for the backward
+    (STORE_FLAGS) equal kda_jax.transforms.nonfinite_flags packed, entry for
+    entry: +-inf and NaN in each input, each where the rule flags it and where
+    it does not (-inf in g is a full decay; +inf in g only without the
+    in-kernel gate, inf in beta only without the sigmoid), a GVA group (a bad
+    k flags every value head of its q/k head), a masked K (20 of 32 columns),
+    and sequences of 1, 50 and 9 tokens across chunks."""
+    from kda_jax.triton import backward
+    from kda_jax.triton.forward import chunk_kda_triton
+
+    T, H, HV, K, V = 60, 2, 4, 20, 24
+    rng = np.random.default_rng(5)
+    x = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    q, k, v, g, beta = x(1, T, H, K), x(1, T, H, K), x(1, T, HV, V), -np.abs(x(1, T, HV, K)), \
+        np.abs(x(1, T, HV))
+    inf, nan = np.inf, np.nan
+    q[0, 3, 0, 1], q[0, 40, 1, 19] = inf, nan
+    k[0, 7, 1, 2], k[0, 58, 0, 0] = -inf, nan
+    v[0, 11, 2, 0], v[0, 33, 3, 23] = nan, -inf
+    g[0, 15, 3, 4], g[0, 19, 0, 0], g[0, 21, 1, 1] = inf, -inf, nan
+    beta[0, 25, 2], beta[0, 27, 3], beta[0, 0, 0] = inf, nan, -inf
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
+    g, beta = jnp.asarray(g), jnp.asarray(beta)
+    opts = KdaOptions(scale=0.2, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate,
+                      use_beta_sigmoid_in_kernel=sigmoid)
+    bounds = kda_jax.SeqBounds(np.array([0, 1, 51, T]))
+    A_log = jnp.zeros((HV,), jnp.float32) if gate else None
+    *_, got = chunk_kda_triton(q, k, v, g, beta, None, A_log, None, opts=opts, bounds=bounds,
+                               config=configs.forward_config(), store_flags=True)
+    poison, q_bad = transforms.nonfinite_flags(q, k, v, g, beta, use_gate_in_kernel=gate,
+                                               use_beta_sigmoid_in_kernel=sigmoid)
+    want = np.asarray(poison, np.int8) * backward._POISON | np.asarray(q_bad, np.int8) * \
+        backward._Q_BAD
+    assert want.any() and (want == 0).any()
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("where, dtype, maker", [("forward", "bfloat16", "xla"),
+                                                ("prepare", "float32", "xla"),
+                                                ("prepare", "bfloat16", "kernel")])
+def test_nonfinite_flags_reach_the_backward(where, dtype, maker, monkeypatch):
+    """With nonfinite_flags "forward" or "prepare" the backward reads the
+    forward's flags and not its own: flags that poison a clean token (a
+    stand-in for a non-finite entry, set where the forward makes them: XLA's,
+    or with "prepare" for 16-bit inputs the prepare kernel's,
+    flags_in_prepare) zero the cotangent of o at that row and the rows after
+    it in its sequence (so dv there is 0), and move no other sequence or head;
+    with "backward" they are never computed."""
+    from kda_jax.triton import backward
 
     B, T, H, K = 2, 40, 2, 16
-    arrays, w_o, w_f = testing.gate_param_inputs(9, B, T, H, K, jnp.dtype(jnp.float32), 1.0,
-                                                 False)
+    arrays, w_o, w_f = testing.gate_param_inputs(9, B, T, H, K, jnp.dtype(dtype), 1.0, False)
     arrays["g"] = -jax.nn.softplus(arrays["g"])
+    forward, flags_of = backward._forward, transforms.nonfinite_flags
 
-    def poisoned_at_row_5(q, k, v, g, beta, **kw):
-        poison = jnp.zeros(beta.shape, bool).at[0, 5, 1].set(True)
-        return poison, jnp.zeros(beta.shape, bool)
+    made = []
 
-    monkeypatch.setattr(transforms, "nonfinite_flags", poisoned_at_row_5)
+    def poisoned_at_row_5(*args, store_flags=False):  # the kernel's flags
+        out = forward(*args, store_flags=store_flags)
+        if not store_flags:
+            return out
+        made.append("kernel")
+        o, final, flags = out
+        return o, final, flags.at[0, 5, 1].set(1)
+
+    def poisoned_at_row_5_xla(*args, **kw):  # XLA's
+        made.append("xla")
+        poison, q_bad = flags_of(*args, **kw)
+        return poison.at[0, 5, 1].set(True), q_bad
+
+    monkeypatch.setattr(backward, "_forward", poisoned_at_row_5)
+    monkeypatch.setattr(transforms, "nonfinite_flags", poisoned_at_row_5_xla)
     fast = functools.partial(kda_jax.chunk_kda, implementation="triton")
     got = {}
-    for where in ("backward", "forward"):
-        bwd = configs.replace(configs.backward_config(), {"nonfinite_flags": where})
+    for form in ("backward", where):
+        bwd = configs.replace(configs.backward_config(), {"nonfinite_flags": form})
         with configs.override(bwd):
-            got[where] = jax.jit(jax.grad(_loss(fast, arrays, dict(scale=0.1), w_o, w_f,
-                                                final=False)))({"v": arrays["v"]})["v"]
-    clean, trusted = np.asarray(got["backward"]), np.asarray(got["forward"])
+            got[form] = jax.jit(jax.grad(_loss(fast, arrays, dict(scale=0.1), w_o, w_f,
+                                               final=False)))({"v": arrays["v"]})["v"]
+    assert set(made) == {maker}, made
+    clean, trusted = np.asarray(got["backward"]), np.asarray(got[where])
     assert np.abs(clean[0, 5:, 1]).min() > 0  # every row has a gradient without the flag
     # With the flag, row 5 on (head 1, sequence 0) receives no cotangent from o.
     np.testing.assert_array_equal(trusted[0, 5:, 1], 0.0)

@@ -42,7 +42,7 @@ STATE_CASTS = ("bits", "native")
 # gradient, which runs after the backward's kernels.
 TRANSFORM_RESIDUALS = ("saved", "recompute")
 # BackwardConfig.nonfinite_flags: where the per-token non-finite flags are computed.
-NONFINITE_FLAGS = ("backward", "forward")
+NONFINITE_FLAGS = ("backward", "forward", "prepare")
 
 
 def _fail(owner: str, name: str, value, must: str):
@@ -509,7 +509,11 @@ class BackwardConfig:
       with the transformed gate (one fusion of 0.75 ms at (1, 8192, 32) on an
       H100, at about 0.4 TB/s); or "forward", by the forward of a
       differentiated call from the raw inputs, kept as one int8 [B, T, HV]
-      residual (a forward without a gradient computes nothing more).
+      residual (a forward without a gradient computes nothing more), by XLA
+      in reductions of their own; or "prepare", as "forward" but stored by
+      the forward's prepare kernel as it reads the inputs where
+      ``kda_jax.triton.forward.flags_in_prepare`` allows (16-bit inputs, K a
+      multiple of its K slice; XLA's elsewhere).
     fused_grads: the per-chunk gradients in one launch (``grads``) rather
       than three (``inter``, ``wy``, ``intra``): dw stays in registers and
       no partial gradient crosses a launch.

@@ -219,14 +219,14 @@ def _unit_lower_inverse(b_l, o_t, BT: tl.constexpr, DOT_INV: tl.constexpr):
 @triton.jit
 def kda_fwd_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, meta, off_cu, off_ct, n_bounds, n_tokens,
-    w, u, qg, kt, aqk, gl, x, gc,
+    w, u, qg, kt, aqk, gl, x, gc, flags,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
     DOT_A: tl.constexpr, DOT_WU: tl.constexpr, DOT_INV: tl.constexpr, STORE_X: tl.constexpr,
-    SPLIT_PASSES: tl.constexpr, BATCHED_L1: tl.constexpr,
+    SPLIT_PASSES: tl.constexpr, BATCHED_L1: tl.constexpr, STORE_FLAGS: tl.constexpr,
 ):
     """One program per (chunk, value head). With STORE_X (the backward's
     recompute) it also writes X^T, X = (I + L)^-1 (fp32, [T, HV, BT]), and G,
@@ -246,7 +246,12 @@ def kda_fwd_prepare_kernel(
     At the end, if any row of the chunk did, Aqk is NaN from the first such
     row of k, v, g or beta on (and on rows whose q held one), and so is gl:
     the state kernel's outputs from that row on and its state after the chunk
-    are NaN, while earlier rows equal those of the inputs with zeros there."""
+    are NaN, while earlier rows equal those of the inputs with zeros there.
+    STORE_FLAGS (the forward of a differentiated call): each row's flags go
+    to flags [T, HV] int8, bit 0 where its k, v, g or beta poisons the
+    recurrence, bit 1 where its q holds a non-finite entry
+    (kda_jax.transforms.nonfinite_flags, packed as kda_jax.triton.backward
+    packs them); flags is unused otherwise."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     t0, n_rows, o_t, rows, m_t, r64 = chunk_rows(meta, off_cu, off_ct, i_c, n_bounds, n_tokens,
@@ -426,6 +431,17 @@ def kda_fwd_prepare_kernel(
         b_poison = b_poison | _bad_rows(b_bad)
         b_vb = tl.where(b_bad, 0., b_vb) * b_b[:, None]
         tl.store(u + p_tv, dot(b_x, b_vb, DOT_WU).to(u.dtype.element_ty), mask=m_tv)
+
+    if STORE_FLAGS:
+        # q's non-finite rows from a pass of their own, here where few tiles
+        # are live: tracked in pass 1 they cost registers, and sm90 spilled
+        # (20-28 bytes at fp32w/c64/default and masked/c64/all, bench.aot).
+        b_q_bad = tl.zeros([BT], dtype=tl.int1)
+        for ks in range(0, K, BK):
+            o_k = ks + tl.arange(0, BK)
+            b_q_bad = b_q_bad | _bad_rows(nonfinite(tile(q, rows, m_t, i_h, o_k, o_k < K, H, K)))
+        tl.store(flags + r64 * HV + i_hv, b_poison.to(tl.int8) | (b_q_bad.to(tl.int8) * 2),
+                 mask=m_t)
 
     # Poison (rare: one test per chunk): NaN over Aqk's rows from the first
     # poisoning row on, and rows whose q was non-finite (o = qg h + Aqk v_new

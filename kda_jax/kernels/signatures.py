@@ -12,6 +12,7 @@ Each argument has a kind, which fixes its type:
            the backward's per-chunk states in the intermediates' dtype
            (configs.BackwardConfig.chunk_states)
   "*i32"   pointer to int32
+  "*i8"    pointer to int8
   "i32"    integer scalar
 Inputs come first, then one pointer per output (jax-triton's order).
 Plain data: importing this module imports neither Triton nor JAX.
@@ -19,8 +20,9 @@ Plain data: importing this module imports neither Triton nor JAX.
 
 from typing import NamedTuple
 
-IN, WORK, F32, STATE, I32_PTR, I32 = "in", "work", "*fp32", "state", "*i32", "i32"
-KINDS = (IN, WORK, F32, STATE, I32_PTR, I32)
+IN, WORK, F32, STATE, I32_PTR, I8_PTR, I32 = ("in", "work", "*fp32", "state", "*i32", "*i8",
+                                             "i32")
+KINDS = (IN, WORK, F32, STATE, I32_PTR, I8_PTR, I32)
 
 
 class Signature(NamedTuple):
@@ -48,7 +50,7 @@ SIGNATURES = {
         inputs=(("q", IN), ("k", IN), ("v", IN), ("g", IN), ("beta", IN), ("A_log", F32),
                 ("dt_bias", F32)) + _META_CHUNKS,
         outputs=(("w", WORK), ("u", WORK), ("qg", WORK), ("kt", WORK), ("aqk", WORK),
-                 ("gl", F32), ("x", F32), ("gc", F32)),
+                 ("gl", F32), ("x", F32), ("gc", F32), ("flags", I8_PTR)),
     ),
     "kda_fwd_state_output_kernel": Signature(
         "chunk_fwd",

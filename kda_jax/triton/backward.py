@@ -37,7 +37,8 @@ from kda_jax import configs, transforms
 from kda_jax.bounds import SeqBounds, chunk_table, next_pow2, packed_metadata
 from kda_jax.configs import BackwardConfig, ForwardConfig, StateConfig, variant_key
 from kda_jax.options import KdaOptions
-from kda_jax.triton.forward import chunk_kda_triton, prepare_launch, split_state_k, work_dtype
+from kda_jax.triton.forward import (chunk_kda_triton, flags_in_prepare, prepare_launch,
+                                    split_state_k, work_dtype)
 from kda_jax.triton.batching import BOUNDS, HEAD_PARAM, PACKED, ROWS, STATE, foldable
 from kda_jax.triton.launch import (KernelLaunch, dot_precision, interpret_mode, launch_kernel,
                                    stand_in)
@@ -231,7 +232,8 @@ def core_backward(q, k, v, g, beta, initial_state, do, dht, *, opts: KdaOptions,
         outputs=dict(w=sds(tk.shape, work), u=sds(tv.shape, work), qg=sds(tk.shape, work),
                      kt=sds(tk.shape, work), aqk=sds(tt.shape, work),
                      gl=sds((n_chunks, hv, kd), f32), x=tt,
-                     gc=tk),  # G, read by the kernels below
+                     gc=tk,  # G, read by the kernels below
+                     flags=sds((4,), jnp.int8)),  # the forward's (unused here)
         grid=(n_chunks, hv, 1), name="kda_bwd_recompute")
 
     # The state passes' tiling.
@@ -408,15 +410,21 @@ BACKWARD_INPUTS = (PACKED,) * 5 + (STATE, PACKED, STATE, BOUNDS)
 BACKWARD_OUTPUTS = (PACKED,) * 5 + (STATE,)
 
 
-def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, segments):
+def _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, segments,
+             store_flags: bool = False):
     """The forward's launches: partitioned under a sharded jit
     (:mod:`kda_jax.triton.partitioning`), one launch for the mapped batch
-    under jax.vmap (:mod:`kda_jax.triton.batching`)."""
+    under jax.vmap (:mod:`kda_jax.triton.batching`). Returns (o, final), and
+    with ``store_flags`` the non-finite flags int8 ``[B, T, HV]`` third."""
     def run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds):
         return chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, opts=opts,
-                                bounds=bounds, config=config, segments=segments)
+                                bounds=bounds, config=config, segments=segments,
+                                store_flags=store_flags)
 
-    run = foldable(partitioned(run, CALL[:9], ("o", "state")), FORWARD_INPUTS, FORWARD_OUTPUTS)
+    outs, roles = ("o", "state"), FORWARD_OUTPUTS
+    if store_flags:
+        outs, roles = outs + ("flags",), roles + (ROWS,)
+    run = foldable(partitioned(run, CALL[:9], outs), FORWARD_INPUTS, roles)
     return run(q, k, v, g, beta, initial_state, A_log, dt_bias, bounds)
 
 
@@ -439,23 +447,30 @@ def _chunk_kda(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, co
 
 def _fwd(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config, bwd_config,
          segments):
+    # nonfinite_flags="forward": XLA computes the flags from the inputs;
+    # "prepare": the prepare kernel writes them as it reads the inputs (no
+    # pass of its own over them), where it can (flags_in_prepare).
+    keep = bwd_config.nonfinite_flags in ("forward", "prepare")
+    store_flags = (bwd_config.nonfinite_flags == "prepare"
+                   and flags_in_prepare(config, q.dtype, q.shape[-1]))
     out = _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, opts, bounds, config,
-                   segments)
+                   segments, store_flags=store_flags)
     flags = None
-    if bwd_config.nonfinite_flags == "forward":
-        flags = _packed_flags(*transforms.nonfinite_flags(
+    if store_flags:
+        *out, flags = out
+        out = tuple(out)
+    elif keep:
+        poison, q_bad = transforms.nonfinite_flags(
             q, k, v, g, beta, use_gate_in_kernel=opts.use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel))
+            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel)
+        flags = (poison.astype(jnp.int8) * _POISON) | (q_bad.astype(jnp.int8) * _Q_BAD)
     return out, (q, k, v, g, beta, initial_state, A_log, dt_bias, flags)
 
 
-# The non-finite flags kept by the forward (BackwardConfig.nonfinite_flags="forward"):
-# one int8 per token and value head.
+# The non-finite flags kept by the forward (BackwardConfig.nonfinite_flags "forward", "prepare"):
+# one int8 per token and value head, as the prepare kernel packs them
+# (kernels/chunk_fwd.py, STORE_FLAGS).
 _POISON, _Q_BAD = 1, 2
-
-
-def _packed_flags(poison, q_bad):
-    return (poison.astype(jnp.int8) * _POISON) | (q_bad.astype(jnp.int8) * _Q_BAD)
 
 
 def _bwd(opts, bounds, config, bwd_config, segments, residuals, cotangents):

@@ -32,8 +32,9 @@ from kda_jax.triton.partitioning import CALL, partitioned
 from kda_jax.triton import state_chain
 from kda_jax.triton.state_args import kernel_states
 
-__all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "forward_launches", "prepare_launch",
-           "segmented_launches", "split_state_k", "state_launch", "work_dtype"]
+__all__ = ["chunk_kda_triton", "chunk_kda_triton_serving", "flags_in_prepare",
+           "forward_launches", "prepare_launch", "segmented_launches", "split_state_k",
+           "state_launch", "work_dtype"]
 
 
 def work_dtype(input_dtype, *, interpret: bool = False):
@@ -61,12 +62,15 @@ def split_state_k(work, kd: int) -> bool:
 def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
                      config: ForwardConfig, work, has_a_log: bool, has_dt_bias: bool,
                      has_initial_state: bool, indexed_state: bool = False,
-                     checkpoint_chunks: int = 0) -> tuple[KernelLaunch, KernelLaunch]:
+                     checkpoint_chunks: int = 0,
+                     store_flags: bool = False) -> tuple[KernelLaunch, KernelLaunch]:
     """The (prepare, state_output) launches for these shapes, options and
     config; ``work`` is the intermediates' dtype (:func:`work_dtype`);
     ``indexed_state``: states are read from and written to a pool's rows;
     ``checkpoint_chunks``: the state pass stores the state at the start of
-    every this-many-th chunk (prefill checkpoints; 0: none).
+    every this-many-th chunk (prefill checkpoints; 0: none); ``store_flags``:
+    the prepare kernel also writes the per-token non-finite flags (the
+    forward of a differentiated call, BackwardConfig.nonfinite_flags="prepare").
 
     The one place the constexprs are derived: :func:`chunk_kda_triton` launches
     with them and :mod:`bench.aot` compiles with them.
@@ -74,17 +78,34 @@ def forward_launches(*, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
     work = jnp.dtype(work).name
     prepare = prepare_launch(config.prepare[variant_key(config.prepare, work, kd)], h=h, hv=hv,
                              kd=kd, vd=vd, opts=opts, has_a_log=has_a_log,
-                             has_dt_bias=has_dt_bias)
+                             has_dt_bias=has_dt_bias, store_flags=store_flags)
     state = state_launch(config.state[variant_key(config.state, work, kd)], hv=hv, kd=kd, vd=vd,
                          opts=opts, work=work, has_initial_state=has_initial_state,
                          indexed_state=indexed_state, checkpoint_chunks=checkpoint_chunks)
     return prepare, state
 
 
+def flags_in_prepare(config: ForwardConfig, input_dtype, kd: int) -> bool:
+    """Whether the prepare kernel of a differentiated call stores the per-token
+    non-finite flags (STORE_FLAGS) for inputs of ``input_dtype`` at K = ``kd``:
+    16-bit inputs with K a multiple of the prepare's K slice. Elsewhere XLA
+    computes them from the inputs (kda_jax.transforms.nonfinite_flags, the
+    same flags): storing them holds registers, and on sm90 the float32
+    variant and the masked K = 100 form spilled 4-28 bytes (bench.aot). The
+    rule follows the inputs' dtype, not the intermediates', so that the
+    interpreter's float32 intermediates take a GPU's form."""
+    if jnp.dtype(input_dtype).itemsize != 2:
+        return False
+    pc = config.prepare[variant_key(config.prepare, jnp.dtype(input_dtype).name, kd)]
+    return kd % min(next_pow2(max(kd, 16)), pc.block_k) == 0
+
+
 def prepare_launch(pc: PrepareConfig, *, h: int, hv: int, kd: int, vd: int, opts: KdaOptions,
-                   has_a_log: bool, has_dt_bias: bool, store_x: bool = False) -> KernelLaunch:
+                   has_a_log: bool, has_dt_bias: bool, store_x: bool = False,
+                   store_flags: bool = False) -> KernelLaunch:
     """The prepare kernel's launch at the config ``pc`` (the forward's, or the
-    backward's recompute with ``store_x``)."""
+    backward's recompute with ``store_x``; ``store_flags``: the non-finite
+    flags too)."""
     return KernelLaunch(
         kernel="kda_fwd_prepare_kernel",
         constexprs=dict(
@@ -98,6 +119,7 @@ def prepare_launch(pc: PrepareConfig, *, h: int, hv: int, kd: int, vd: int, opts
             STORE_X=store_x,
             SPLIT_PASSES=pc.split,
             BATCHED_L1=pc.batched_l1,
+            STORE_FLAGS=store_flags,
         ),
         num_warps=pc.warps,
         num_stages=pc.stages,
@@ -139,7 +161,8 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                      opts: KdaOptions, bounds, config: ForwardConfig,
                      pool: state_pool.StatePool | None = None,
                      segments: SegmentConfig | None = None,
-                     checkpoint_every: int | None = None, checkpoint_indices=None):
+                     checkpoint_every: int | None = None, checkpoint_indices=None,
+                     store_flags: bool = False):
     """Validated inputs in; ``(o, final_state | None)`` out, or ``(o, new_cache)``
     with a pool (then ``initial_state`` is None). ``bounds``: SeqBounds or
     VarlenBatch (a batch's padded sequence slots already masked in ``pool``).
@@ -152,7 +175,12 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     (the result stays ``(o, new_cache)``); without, host bounds only, as a
     third output ``[C, HV, ., .]`` float32 (C from
     :func:`kda_jax.bounds.checkpoint_offsets`). Checkpoints run the state pass
-    unsegmented. See kda_jax.chunk_kda."""
+    unsegmented. See kda_jax.chunk_kda.
+
+    ``store_flags`` (host bounds, no pool or checkpoints: the forward of a
+    differentiated call): a third output, the per-token non-finite flags int8
+    ``[B, T, HV]`` as the prepare kernel finds them (bit 0 poison, bit 1 a
+    non-finite q; kda_jax.transforms.nonfinite_flags)."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[-2:]
     bt = opts.chunk_size
@@ -169,12 +197,17 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     empty = meta.chunk_programs == 0
     ckpt = _checkpoint_args(bounds, pool, checkpoint_every, checkpoint_indices, bt,
                             state_shape[1:])
+    if store_flags and (indexed or ckpt is not None):
+        raise ValueError("store_flags is for the forward of a differentiated call: no pool, "
+                         "no checkpoints")
     if empty and not indexed:
         o = jnp.zeros((b, t, hv, vd), q.dtype)
         final = None
         if opts.output_final_state:
             final = jnp.zeros(state_shape, f32) if initial_state is None else initial_state
             final = final.astype(f32)
+        if store_flags:
+            return o, final, jnp.zeros((b, t, hv), jnp.int8)  # no token
         if ckpt is None:
             return o, final
         return o, final, jnp.zeros(ckpt.shape.shape, f32)  # no token: no checkpoint
@@ -184,7 +217,7 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
         h=h, hv=hv, kd=kd, vd=vd, opts=opts, config=config, work=work,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         has_initial_state=initial_state is not None, indexed_state=indexed,
-        checkpoint_chunks=0 if ckpt is None else ckpt.chunks,
+        checkpoint_chunks=0 if ckpt is None else ckpt.chunks, store_flags=store_flags,
     )
     sds = jax.ShapeDtypeStruct
     if empty:
@@ -205,8 +238,10 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
                 qg=sds((tokens, hv, kd), work), kt=sds((tokens, hv, kd), work),
                 aqk=sds((tokens, hv, bt), work), gl=sds((meta.chunk_programs, hv, kd), f32),
                 x=sds((4,), f32),  # X: not stored in the forward
-                gc=sds((tokens, hv, kd), f32)),  # the kernel's scratch
+                gc=sds((tokens, hv, kd), f32),  # the kernel's scratch
+                flags=sds((tokens, hv) if store_flags else (4,), jnp.int8)),
             grid=(meta.chunk_programs, hv, 1), name="kda_fwd_prepare")
+    flags = p["flags"].reshape(b, t, hv) if store_flags and not empty else None
 
     tables = None
     if segments is not None and not indexed and not empty and ckpt is None:
@@ -218,9 +253,10 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
             split_k=state.constexprs["SPLIT_K"],
             segment_block_v=seg_launches[0].constexprs["BV"])
     if tables is not None:
-        return _segmented_state_output(p, tables, seg_launches, initial_state, q.dtype, hv=hv,
-                                       kd=kd, vd=vd, b=b, t=t, opts=opts,
-                                       n_chunk_rows=meta.chunk_programs)
+        out = _segmented_state_output(p, tables, seg_launches, initial_state, q.dtype, hv=hv,
+                                      kd=kd, vd=vd, b=b, t=t, opts=opts,
+                                      n_chunk_rows=meta.chunk_programs)
+        return out if flags is None else (*out, flags)
 
     st = kernel_states(pool, initial_state, state_shape, opts.output_final_state)
     if ckpt is None:
@@ -242,6 +278,8 @@ def chunk_kda_triton(q, k, v, g, beta, initial_state, A_log, dt_bias, *,
     if indexed:
         return o, ht
     final = ht if opts.output_final_state else None
+    if flags is not None:
+        return o, final, flags
     return (o, final) if ckpt.chunks == 0 else (o, final, out["hc"])
 
 

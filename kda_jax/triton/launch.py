@@ -195,13 +195,15 @@ def _checked_signature(kernel: str, fn) -> signatures.Signature:
     return sig
 
 
-_POINTER_DTYPES = {signatures.F32: np.dtype(np.float32), signatures.I32_PTR: np.dtype(np.int32)}
+_POINTER_DTYPES = {signatures.F32: np.dtype(np.float32), signatures.I32_PTR: np.dtype(np.int32),
+                   signatures.I8_PTR: np.dtype(np.int8)}
 _KIND_TEXT = {signatures.IN: "a floating array (the inputs' dtype)",
               signatures.WORK: "a floating array (the intermediates' dtype)",
               signatures.F32: "a float32 array",
               signatures.STATE: "a float32, bfloat16 or float16 array (a state buffer: a "
                                 "pool, or the backward's per-chunk states)",
               signatures.I32_PTR: "an int32 array",
+              signatures.I8_PTR: "an int8 array",
               signatures.I32: "a Python int"}
 
 
@@ -334,7 +336,7 @@ class _HostTensor:
         self.array = array
         self.dtype = {
             "float32": tl.float32, "float16": tl.float16, "bfloat16": tl.bfloat16,
-            "int32": tl.int32, "int64": tl.int64,
+            "int32": tl.int32, "int64": tl.int64, "int8": tl.int8,
         }[array.dtype.name]
 
     def data_ptr(self):
