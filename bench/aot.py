@@ -247,9 +247,10 @@ def _decode_launch_for(kernel: str, target: str, spec: Spec):
 
 
 def _bwd_launch_for(kernel: str, target: str, spec: Spec):
-    """_launch_for of a backward kernel (config: configs.BACKWARD[target]), or
-    None where the config does not launch it (the inter, wy and intra kernels,
-    or their fused form: BackwardConfig.grads_for)."""
+    """_launch_for of a kernel of BWD_KERNELS (config: configs.BACKWARD[target]),
+    or None where the config does not launch it (the inter, wy and intra
+    kernels, or their fused form: BackwardConfig.grads_for; the flag-storing
+    prepare: _prepare_flags_launch)."""
     import jax.numpy as jnp
 
     from kda_jax.configs import backward_config
@@ -284,13 +285,12 @@ def _bwd_launch_for(kernel: str, target: str, spec: Spec):
 def _prepare_flags_launch(target: str, spec: Spec, bwd_config):
     """The forward's prepare kernel as a differentiated call launches it
     (storing the non-finite flags), or None where ``bwd_config`` does not
-    keep them from the forward or XLA computes them (flags_in_prepare)."""
+    have it store them (nonfinite_flags other than "prepare") or XLA computes
+    them (flags_in_prepare)."""
     import jax.numpy as jnp
 
     from kda_jax.configs import forward_config
-    from kda_jax.triton.forward import forward_launches, work_dtype
-
-    from kda_jax.triton.forward import flags_in_prepare
+    from kda_jax.triton.forward import flags_in_prepare, forward_launches, work_dtype
 
     opts, has_a_log, has_dt_bias, has_h0 = _spec_options(spec)
     config = forward_config(target, spec.chunk)
@@ -353,7 +353,9 @@ def applies(kernel: str, target: str, spec: Spec) -> bool:
     """Whether ``kernel`` has a row at ``spec``: the segmented chain's launches
     only where its state pass holds the state whole (and its state passes at
     chunk 64); the per-chunk gradient kernels, or their fused form, as the
-    target's config launches them (fused_grads); every other kernel everywhere."""
+    target's config launches them (fused_grads); the flag-storing prepare
+    where the target's backward config selects it (_prepare_flags_launch);
+    every other kernel everywhere."""
     if kernel in _PER_CHUNK + _CONDITIONAL:
         return _bwd_launch_for(kernel, target, spec) is not None
     if kernel not in SEGMENT_KERNELS:

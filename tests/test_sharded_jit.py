@@ -136,14 +136,18 @@ def test_forward_and_grad_stay_sharded(batch, heads, gate, check_rel_rms):
 
 
 @pytest.mark.parametrize("where", ["forward", "prepare"])
-def test_grad_with_the_forwards_nonfinite_flags_stays_sharded(where):
+def test_grad_with_the_forwards_nonfinite_flags_stays_sharded(where, monkeypatch):
     """BackwardConfig.nonfinite_flags "forward" and "prepare" (bf16 q, k, v:
     the prepare kernel stores them): the flags kept by the forward (one int8
     per token and value head) shard with the rows and heads. With a NaN in k
     of the second row's second q/k head, the sharded gradients equal the
     unsharded call's (NaN where it has NaN), and no collective is added."""
-    from kda_jax import configs
+    from kda_jax import configs, transforms
 
+    xla_flags = []
+    flags_of = transforms.nonfinite_flags
+    monkeypatch.setattr(transforms, "nonfinite_flags",
+                        lambda *a, **kw: xla_flags.append(1) or flags_of(*a, **kw))
     arrays = list(_inputs(True))
     if where == "prepare":
         arrays[:3] = [a.astype(jnp.bfloat16) for a in arrays[:3]]
@@ -155,6 +159,7 @@ def test_grad_with_the_forwards_nonfinite_flags_stays_sharded(where):
         compiled = jax.jit(_program(_triton, True)).lower(*placed).compile()
         o1, s1, grads1 = jax.jit(_program(_triton, True))(*arrays)
     assert "s8[" in compiled.as_text()  # the flags cross to the backward
+    assert bool(xla_flags) == (where == "forward")  # "prepare": the kernel's flags
     o, s, grads = compiled(*placed)
     np.testing.assert_allclose(o, o1, rtol=1e-6, atol=1e-6)
     assert np.isnan(np.asarray(o1)[1, 7:, 2:]).all() and not np.isnan(np.asarray(o1)[0]).any()

@@ -702,7 +702,7 @@ def test_transform_residuals_recomputed(dtype):
 
 
 @pytest.mark.parametrize("layout", ["dense", "dense-recompute", "varlen", "vmap"])
-def test_nonfinite_flags_from_the_forward(layout):
+def test_nonfinite_flags_from_the_forward(layout, monkeypatch):
     """BackwardConfig.nonfinite_flags "forward" and "prepare" (bf16 inputs: the
     prepare kernel stores them): the forward of a differentiated call keeps
     the per-token non-finite flags, and the backward takes them instead of
@@ -732,7 +732,10 @@ def test_nonfinite_flags_from_the_forward(layout):
     wrt = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
     residuals = "recompute" if layout == "dense-recompute" else "saved"
     base = configs.replace(configs.backward_config(), {"transform_residuals": residuals})
-    got, saved = {}, {}
+    got, saved, xla_flags = {}, {}, []
+    flags_of = transforms.nonfinite_flags
+    monkeypatch.setattr(transforms, "nonfinite_flags",
+                        lambda *a, **kw: xla_flags.append(where) or flags_of(*a, **kw))
     for where in ("backward", "forward", "prepare"):
         with configs.override(configs.replace(base, {"nonfinite_flags": where})):
             loss = _loss(fast, arrays, call_kw, w_o, w_f) if layout != "vmap" else _mapped_loss(
@@ -741,6 +744,8 @@ def test_nonfinite_flags_from_the_forward(layout):
             text = str(jax.make_jaxpr(jax.grad(loss))({n: arrays[n] for n in wrt}))
             saved[where] = re.search(r"i8\[\d+,\d+,\d+\]", text) is not None  # [B, T, HV]
     assert saved == {"backward": False, "forward": True, "prepare": True}
+    # XLA makes the flags under "forward"; under "prepare" (bf16, K = 16) the kernel does.
+    assert set(xla_flags) == {"forward"}, xla_flags
     for n in wrt:
         b = np.asarray(got["backward"][n], np.float32)
         for where in ("forward", "prepare"):
@@ -749,20 +754,22 @@ def test_nonfinite_flags_from_the_forward(layout):
             np.testing.assert_array_equal(a, b, err_msg=f"d{n} ({where})")
 
 
-@pytest.mark.parametrize("gate, sigmoid, l2norm", [(False, False, False), (True, True, True),
-                                                   (True, False, False)])
-def test_prepare_kernel_flags_match_the_transforms(gate, sigmoid, l2norm):
+@pytest.mark.parametrize("gate, sigmoid, l2norm, K", [(False, False, False, 20),
+                                                      (True, True, True, 32),
+                                                      (True, False, False, 32)])
+def test_prepare_kernel_flags_match_the_transforms(gate, sigmoid, l2norm, K):
     """The flags the forward's prepare kernel writes for the backward
     (STORE_FLAGS) equal kda_jax.transforms.nonfinite_flags packed, entry for
     entry: +-inf and NaN in each input, each where the rule flags it and where
     it does not (-inf in g is a full decay; +inf in g only without the
     in-kernel gate, inf in beta only without the sigmoid), a GVA group (a bad
-    k flags every value head of its q/k head), a masked K (20 of 32 columns),
-    and sequences of 1, 50 and 9 tokens across chunks."""
+    k flags every value head of its q/k head), a masked K (20 of 32 columns)
+    and a whole one (32, the form flags_in_prepare selects), and sequences of
+    1, 50 and 9 tokens across chunks."""
     from kda_jax.triton import backward
     from kda_jax.triton.forward import chunk_kda_triton
 
-    T, H, HV, K, V = 60, 2, 4, 20, 24
+    T, H, HV, V = 60, 2, 4, 24
     rng = np.random.default_rng(5)
     x = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     q, k, v, g, beta = x(1, T, H, K), x(1, T, H, K), x(1, T, HV, V), -np.abs(x(1, T, HV, K)), \

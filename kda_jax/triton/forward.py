@@ -91,9 +91,10 @@ def flags_in_prepare(config: ForwardConfig, input_dtype, kd: int) -> bool:
     16-bit inputs with K a multiple of the prepare's K slice. Elsewhere XLA
     computes them from the inputs (kda_jax.transforms.nonfinite_flags, the
     same flags): storing them holds registers, and on sm90 the float32
-    variant and the masked K = 100 form spilled 4-28 bytes (bench.aot). The
-    rule follows the inputs' dtype, not the intermediates', so that the
-    interpreter's float32 intermediates take a GPU's form."""
+    variant spilled 12-28 bytes and the masked K = 100 form 8 (bench.aot,
+    Triton 3.9; docs/tuning.md). The rule follows the inputs' dtype, not the
+    intermediates', so that the interpreter's float32 intermediates take a
+    GPU's form."""
     if jnp.dtype(input_dtype).itemsize != 2:
         return False
     pc = config.prepare[variant_key(config.prepare, jnp.dtype(input_dtype).name, kd)]
