@@ -38,7 +38,8 @@ def jax_runner(impl, inputs, cu, gates="init"):
     arrays, params, flags = sweep.kda_jax_inputs(inputs, gates)
     bounds = None if cu is None else kda_jax.SeqBounds(cu)
     do = jnp.asarray(np.random.default_rng(1).standard_normal(arrays[2].shape), jnp.bfloat16)
-    return lambda: time_jax(jax.jit(forward_backward(impl, bounds, flags)), arrays, params, do)
+    step = jax.jit(forward_backward(impl, bounds, flags))
+    return lambda: time_jax(step, arrays, params, do)
 
 
 def forward_backward(impl, bounds, flags):
